@@ -1,0 +1,121 @@
+"""mt.autograd: gradients without touching .grad, anomaly detection, gradcheck.
+
+The engine itself (the Node type and the backward traversal) lives in
+`autograd_engine.pxi`; this module is its public face.
+"""
+import numpy as np
+
+from microtensor._core import (
+    Tensor, Node, run_backward, wrap, needs_graph, attach, no_grad, enable_grad, set_grad_enabled,
+    is_grad_enabled, detect_anomaly, AnomalyError, is_anomaly_enabled,
+)
+from microtensor.gradcheck import gradcheck, GradcheckError
+
+__all__ = ["grad", "backward", "gradcheck", "GradcheckError", "detect_anomaly",
+           "AnomalyError", "Function", "Node", "no_grad", "enable_grad"]
+
+
+def _as_list(x):
+    if x is None:
+        return None
+    if isinstance(x, Tensor):
+        return [x]
+    return list(x)
+
+
+def _seed_grads(outputs, grad_outputs):
+    grads = []
+    grad_outputs = _as_list(grad_outputs) or [None] * len(outputs)
+    if len(grad_outputs) != len(outputs):
+        raise ValueError(f"grad_outputs has {len(grad_outputs)} entries for {len(outputs)} outputs")
+    for out, g in zip(outputs, grad_outputs):
+        if not isinstance(out, Tensor):
+            raise TypeError(f"outputs must be tensors, got {type(out).__name__}")
+        if g is None:
+            if out.numel() != 1:
+                raise RuntimeError(
+                    f"grad can be implicitly created only for scalar outputs; an output has "
+                    f"shape {out.shape}, so pass grad_outputs")
+            g = np.ones(out.shape, dtype=out.dtype)
+        else:
+            g = np.asarray(g._data if isinstance(g, Tensor) else g, dtype=out.dtype)
+            if g.shape != out.shape:
+                raise ValueError(f"grad_output of shape {g.shape} for an output of shape {out.shape}")
+        grads.append(g)
+    return grads
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+         allow_unused=False):
+    """The gradients of `outputs` with respect to `inputs`, returned as a tuple.
+    Nothing is accumulated into any `.grad`."""
+    if create_graph:
+        raise NotImplementedError("create_graph=True (higher-order gradients) is not supported")
+    outputs = _as_list(outputs)
+    single = isinstance(inputs, Tensor)
+    inputs = _as_list(inputs)
+    for t in inputs:
+        if not isinstance(t, Tensor) or not t.requires_grad:
+            raise RuntimeError("every input passed to autograd.grad must be a tensor that requires grad")
+    grads = _seed_grads(outputs, grad_outputs)
+    result = run_backward(outputs, grads, bool(retain_graph), inputs, False)
+    if not allow_unused:
+        for i, g in enumerate(result):
+            if g is None:
+                raise RuntimeError(
+                    f"input {i} was not used in the graph; pass allow_unused=True to get None for it")
+    return tuple(result)
+
+
+def backward(tensors, grad_tensors=None, retain_graph=None):
+    """Like calling .backward() on each output, in one traversal."""
+    outputs = _as_list(tensors)
+    run_backward(outputs, _seed_grads(outputs, grad_tensors), bool(retain_graph))
+
+
+class _FunctionNode(Node):
+    """The graph node of one Function.apply call; also the `ctx` its rules see."""
+
+    def save_for_backward(self, *arrays):
+        self.saved_tensors = arrays
+
+    def backward(self, grad_output):
+        grads = self.fn.backward(self, grad_output)
+        if not isinstance(grads, tuple):
+            grads = (grads,)
+        return tuple(None if g is None else np.asarray(g._data if isinstance(g, Tensor) else g)
+                     for g in grads)
+
+    def name(self):
+        return self.fn.__name__ + "Backward"
+
+
+class Function:
+    """Base for user-defined ops with a hand-written backward, in torch's style:
+
+        class Square(mt.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):             # numpy arrays in, a numpy array out
+                ctx.save_for_backward(x)
+                return x * x
+
+            @staticmethod
+            def backward(ctx, grad_output):  # one gradient per forward argument
+                (x,) = ctx.saved_tensors
+                return 2 * x * grad_output
+
+        y = Square.apply(t)
+    """
+
+    @classmethod
+    def apply(cls, *args):
+        ctx = _FunctionNode()
+        ctx.fn = cls
+        arrays = [a._data if isinstance(a, Tensor) else a for a in args]
+        with no_grad():
+            out = cls.forward(ctx, *arrays)
+        out = wrap(np.asarray(out._data if isinstance(out, Tensor) else out))
+        inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
+        if needs_graph(inputs):
+            attach(out, ctx, inputs)
+        return out

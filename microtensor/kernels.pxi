@@ -1,0 +1,222 @@
+# Cython kernels of the core ops. Each takes contiguous typed memoryviews of a fused
+# float type, releases the GIL and loops with prange over rows or elements. Shapes are
+# checked by the caller before a kernel runs: bounds checks are off in here.
+
+from cython.parallel cimport prange
+from libc.math cimport exp as c_exp, log as c_log, sqrt as c_sqrt, fabs, INFINITY
+cimport cython
+
+ctypedef fused real:
+    float
+    double
+
+cdef int _num_threads = 2
+cdef Py_ssize_t _PARALLEL_MIN = 1 << 15  # below this, one thread is faster
+
+
+def set_num_threads(int n):
+    """Threads used by microtensor's own kernels (BLAS has its own setting)."""
+    global _num_threads
+    if n < 1:
+        raise ValueError(f"number of threads must be at least 1, got {n}")
+    _num_threads = n
+
+
+def get_num_threads():
+    return _num_threads
+
+
+cdef inline int _threads(Py_ssize_t work) noexcept nogil:
+    return _num_threads if work >= _PARALLEL_MIN else 1
+
+
+# ---- elementwise backward pairs (dinp = dout * f'(...)), flat contiguous ----------
+
+@cython.wraparound(False)
+def exp_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
+    """d exp(x) = g * exp(x) = g * y"""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        dinp[i] = dout[i] * out[i]
+
+
+@cython.wraparound(False)
+def log_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
+    """d log(x) = g / x"""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        dinp[i] = dout[i] / inp[i]
+
+
+@cython.wraparound(False)
+def sqrt_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
+    """d sqrt(x) = g / (2 sqrt(x))"""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        dinp[i] = dout[i] * 0.5 / out[i]
+
+
+@cython.wraparound(False)
+def tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
+    """d tanh(x) = g * (1 - y^2)"""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        dinp[i] = dout[i] * (1 - out[i] * out[i])
+
+
+@cython.wraparound(False)
+def sigmoid_forward(real[::1] out, const real[::1] inp):
+    """y = 1 / (1 + exp(-x)), written so that neither branch overflows"""
+    cdef Py_ssize_t i, n = out.shape[0]
+    cdef real z
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        if inp[i] >= 0:
+            out[i] = 1 / (1 + c_exp(-inp[i]))
+        else:
+            z = c_exp(inp[i])
+            out[i] = z / (1 + z)
+
+
+@cython.wraparound(False)
+def sigmoid_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
+    """d sigmoid(x) = g * y * (1 - y)"""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        dinp[i] = dout[i] * out[i] * (1 - out[i])
+
+
+@cython.wraparound(False)
+def relu_forward(real[::1] out, const real[::1] inp):
+    """y = max(x, 0)"""
+    cdef Py_ssize_t i, n = out.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        out[i] = inp[i] if inp[i] > 0 else 0
+
+
+@cython.wraparound(False)
+def relu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
+    """d relu(x) = g * (x > 0).  NOTE: the gradient at exactly 0 is 0, as in torch."""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        dinp[i] = dout[i] if inp[i] > 0 else 0
+
+
+@cython.wraparound(False)
+def abs_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
+    """d |x| = g * sign(x)  (0 at 0, as in torch)"""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        if inp[i] > 0:
+            dinp[i] = dout[i]
+        elif inp[i] < 0:
+            dinp[i] = -dout[i]
+        else:
+            dinp[i] = 0
+
+
+@cython.wraparound(False)
+def clamp_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp,
+                   double lo, double hi):
+    """d clamp(x, lo, hi) = g where lo <= x <= hi, else 0"""
+    cdef Py_ssize_t i, n = dinp.shape[0]
+    for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
+        dinp[i] = dout[i] if (inp[i] >= lo and inp[i] <= hi) else 0
+
+
+# ---- reductions along the last axis (rows of a 2-D view) ---------------------------
+
+@cython.wraparound(False)
+def max_lastdim(const real[:, ::1] inp, real[::1] values, long long[::1] indices):
+    """(R, N) -> values (R,), indices (R,): the first maximum of each row (NaN wins)"""
+    cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
+    cdef Py_ssize_t best
+    cdef real m
+    for r in prange(R, nogil=True, num_threads=_threads(R * N), schedule="static"):
+        best = 0
+        m = inp[r, 0]
+        for j in range(1, N):
+            if inp[r, j] > m or (inp[r, j] != inp[r, j] and m == m):
+                m = inp[r, j]
+                best = j
+        values[r] = m
+        indices[r] = best
+
+
+@cython.wraparound(False)
+def softmax_forward(real[:, ::1] out, const real[:, ::1] inp):
+    """(R, N) rows: y = exp(x - max) / sum(exp(x - max))"""
+    cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
+    cdef real m
+    cdef double s
+    for r in prange(R, nogil=True, num_threads=_threads(R * N), schedule="static"):
+        m = -INFINITY
+        for j in range(N):
+            if inp[r, j] > m:
+                m = inp[r, j]
+        s = 0
+        for j in range(N):
+            out[r, j] = c_exp(inp[r, j] - m)
+            s = s + out[r, j]
+        for j in range(N):
+            out[r, j] = out[r, j] / s
+
+
+@cython.wraparound(False)
+def softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[:, ::1] out):
+    """dx = y * (g - sum(g * y))"""
+    cdef Py_ssize_t r, j, R = out.shape[0], N = out.shape[1]
+    cdef double s
+    for r in prange(R, nogil=True, num_threads=_threads(R * N), schedule="static"):
+        s = 0
+        for j in range(N):
+            s = s + dout[r, j] * out[r, j]
+        for j in range(N):
+            dinp[r, j] = out[r, j] * (dout[r, j] - s)
+
+
+@cython.wraparound(False)
+def log_softmax_forward(real[:, ::1] out, const real[:, ::1] inp):
+    """(R, N) rows: y = x - max - log(sum(exp(x - max)))"""
+    cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
+    cdef real m
+    cdef double s
+    for r in prange(R, nogil=True, num_threads=_threads(R * N), schedule="static"):
+        m = -INFINITY
+        for j in range(N):
+            if inp[r, j] > m:
+                m = inp[r, j]
+        s = 0
+        for j in range(N):
+            s = s + c_exp(inp[r, j] - m)
+        s = m + c_log(s)
+        for j in range(N):
+            out[r, j] = inp[r, j] - s
+
+
+@cython.wraparound(False)
+def log_softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[:, ::1] out):
+    """dx = g - exp(y) * sum(g)"""
+    cdef Py_ssize_t r, j, R = out.shape[0], N = out.shape[1]
+    cdef double s
+    for r in prange(R, nogil=True, num_threads=_threads(R * N), schedule="static"):
+        s = 0
+        for j in range(N):
+            s = s + dout[r, j]
+        for j in range(N):
+            dinp[r, j] = dout[r, j] - c_exp(out[r, j]) * s
+
+
+# ---- gather / scatter-add along the first axis -------------------------------------
+
+@cython.wraparound(False)
+def scatter_add_rows(real[:, ::1] dst, const long long[::1] index, const real[:, ::1] src):
+    """dst[index[i], :] += src[i, :]   (repeated indices accumulate)
+
+    NOTE: serial over i on purpose: two rows with the same index must not be added by
+    two threads at once. The inner loop over D is what gets vectorised."""
+    cdef Py_ssize_t i, j, row, M = index.shape[0], D = src.shape[1]
+    with nogil:
+        for i in range(M):
+            row = index[i]
+            for j in range(D):
+                dst[row, j] += src[i, j]

@@ -1,0 +1,2 @@
+"""mt.nn: modules, layers and the functional API."""
+from microtensor.nn import functional

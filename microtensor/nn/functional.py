@@ -1,0 +1,1 @@
+"""mt.nn.functional (placeholder: filled in by the nn work)."""

@@ -1,0 +1,477 @@
+# Elementwise ops: each forward function sits right above its Backward node.
+# Broadcasting is undone in exactly one place: unbroadcast().
+
+cdef object unbroadcast(object grad, tuple shape):
+    """Sum `grad` down to `shape`, undoing numpy broadcasting."""
+    if grad.shape == shape:
+        return grad
+    cdef int extra = grad.ndim - len(shape)
+    if extra > 0:
+        grad = grad.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and grad.shape[i] != 1)
+    if axes:
+        grad = grad.sum(axis=axes, keepdims=True)
+    return grad
+
+
+cdef inline object _operand(object x):
+    """The array (or weak Python scalar) behind an operand."""
+    if isinstance(x, Tensor):
+        return (<Tensor>x)._data
+    if isinstance(x, (int, float, bool)):
+        return x
+    if isinstance(x, np.generic):
+        return x.item()
+    return _to_array(x, None)
+
+
+cdef inline bint _strong_f64(object x, object y):
+    """Does x force a float64 result? (torch: a 0-d tensor or a scalar does not
+    outrank a dimensioned float tensor.)"""
+    if not isinstance(x, np.ndarray) or x.dtype != float64:
+        return False
+    if x.ndim > 0:
+        return True
+    return not (isinstance(y, np.ndarray) and y.ndim > 0 and y.dtype.kind == "f")
+
+
+cdef inline object _promote(object out, object a, object b):
+    if out.dtype == float64 and not (_strong_f64(a, b) or _strong_f64(b, a)):
+        return out.astype(float32)
+    return out
+
+
+cdef inline object _shape_of(object x):
+    return x.shape if isinstance(x, np.ndarray) else ()
+
+
+def _broadcast_error(op, a, b):
+    return ShapeError(
+        f"{op}: shapes {tuple(_shape_of(a))} and {tuple(_shape_of(b))} cannot be broadcast "
+        "together (sizes must match or be 1, aligned from the last dimension)")
+
+
+cdef inline Tensor _binary_result(object out, object ta, object tb, Node node):
+    cdef Tensor res = Tensor._wrap(out)
+    cdef tuple inputs = (ta if isinstance(ta, Tensor) else None,
+                         tb if isinstance(tb, Tensor) else None)
+    if _needs_graph(inputs):
+        _attach(res, node, inputs)
+    return res
+
+
+cdef class AddBackward(Node):
+    """y = a + b;  da = g,  db = g"""
+    cdef tuple ashape, bshape
+    cpdef tuple backward(self, g):
+        return (unbroadcast(g, self.ashape), unbroadcast(g, self.bshape))
+
+
+def add(a, b, alpha=1):
+    if alpha != 1:
+        b = mul(b, alpha)
+    x, y = _operand(a), _operand(b)
+    try:
+        out = _promote(np.add(x, y), x, y)
+    except ValueError:
+        raise _broadcast_error("add", x, y) from None
+    cdef AddBackward node = AddBackward.__new__(AddBackward)
+    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
+    return _binary_result(out, a, b, node)
+
+
+cdef class SubBackward(Node):
+    """y = a - b;  da = g,  db = -g"""
+    cdef tuple ashape, bshape
+    cpdef tuple backward(self, g):
+        db = None
+        if self.inputs[1] is not None:
+            db = unbroadcast(np.negative(g), self.bshape)
+        return (unbroadcast(g, self.ashape), db)
+
+
+def sub(a, b, alpha=1):
+    if alpha != 1:
+        b = mul(b, alpha)
+    x, y = _operand(a), _operand(b)
+    try:
+        out = _promote(np.subtract(x, y), x, y)
+    except ValueError:
+        raise _broadcast_error("sub", x, y) from None
+    except TypeError:
+        raise TypeError("subtraction of bool tensors is not supported; use logical ops") from None
+    cdef SubBackward node = SubBackward.__new__(SubBackward)
+    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
+    return _binary_result(out, a, b, node)
+
+
+cdef class MulBackward(Node):
+    """y = a * b;  da = g * b,  db = g * a"""
+    cdef object a, b
+    cpdef tuple backward(self, g):
+        da = db = None
+        if self.inputs[0] is not None:
+            da = unbroadcast(g * self.b, _shape_of(self.a))
+        if self.inputs[1] is not None:
+            db = unbroadcast(g * self.a, _shape_of(self.b))
+        return (da, db)
+
+    cpdef release(self):
+        self.a = self.b = None
+
+
+def mul(a, b):
+    x, y = _operand(a), _operand(b)
+    try:
+        out = _promote(np.multiply(x, y), x, y)
+    except ValueError:
+        raise _broadcast_error("mul", x, y) from None
+    cdef MulBackward node = MulBackward.__new__(MulBackward)
+    node.a, node.b = x, y
+    return _binary_result(out, a, b, node)
+
+
+cdef class DivBackward(Node):
+    """y = a / b;  da = g / b,  db = -g * a / b^2"""
+    cdef object a, b
+    cpdef tuple backward(self, g):
+        da = db = None
+        ga = g / self.b
+        if self.inputs[0] is not None:
+            da = unbroadcast(ga, _shape_of(self.a))
+        if self.inputs[1] is not None:
+            db = unbroadcast(-ga * self.a / self.b, _shape_of(self.b))
+        return (da, db)
+
+    cpdef release(self):
+        self.a = self.b = None
+
+
+def div(a, b):
+    x, y = _operand(a), _operand(b)
+    try:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = np.true_divide(x, y)
+    except ValueError:
+        raise _broadcast_error("div", x, y) from None
+    out = _promote(out, x, y)
+    cdef DivBackward node = DivBackward.__new__(DivBackward)
+    node.a, node.b = x, y
+    return _binary_result(out, a, b, node)
+
+
+cdef class PowBackward(Node):
+    """y = a ** b;  da = g * b * a^(b-1),  db = g * y * log(a)"""
+    cdef object a, b, out
+    cpdef tuple backward(self, g):
+        da = db = None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.inputs[0] is not None:
+                if isinstance(self.b, (int, float)):
+                    da = g * (self.b * np.power(self.a, self.b - 1))
+                else:
+                    da = unbroadcast(g * self.b * np.power(self.a, self.b - 1), _shape_of(self.a))
+            if self.inputs[1] is not None:
+                db = unbroadcast(g * self.out * np.log(self.a), _shape_of(self.b))
+        return (da, db)
+
+    cpdef release(self):
+        self.a = self.b = self.out = None
+
+
+def pow(a, b):
+    x, y = _operand(a), _operand(b)
+    try:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if isinstance(x, np.ndarray) and x.dtype.kind in "iu" and isinstance(y, int) and y < 0:
+                raise ValueError("Integers to negative integer powers are not allowed.")
+            out = _promote(np.power(x, y), x, y)
+    except ValueError as e:
+        if "broadcast" in str(e):
+            raise _broadcast_error("pow", x, y) from None
+        raise
+    cdef PowBackward node = PowBackward.__new__(PowBackward)
+    node.a, node.b, node.out = x, y, out
+    return _binary_result(out, a, b, node)
+
+
+cdef class NegBackward(Node):
+    """y = -x;  dx = -g"""
+    cpdef tuple backward(self, g):
+        return (np.negative(g),)
+
+
+def neg(x):
+    cdef Tensor t = _t(x)
+    if t._data.dtype == bool_:
+        raise TypeError("negation of a bool tensor is not supported; use ~ or logical_not")
+    cdef Tensor out = Tensor._wrap(np.negative(t._data))
+    if _grad_enabled and t._requires_grad:
+        _attach(out, NegBackward.__new__(NegBackward), (t,))
+    return out
+
+
+# ---- unary ops with a Cython backward kernel -----------------------------------------
+
+cdef inline object _float_data(Tensor t):
+    """Float ops on an integer tensor compute in float32, as torch does."""
+    d = t._data
+    if d.dtype.kind != "f":
+        return d.astype(float32)
+    return d
+
+
+cdef inline object _flat(object a):
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+cdef class UnaryBackward(Node):
+    """Shared shape of the elementwise nodes: `saved` is x or y, `kernel` the rule."""
+    cdef object saved
+    cdef object kernel
+
+    cpdef tuple backward(self, g):
+        dinp = np.empty(self.saved.shape, dtype=self.saved.dtype)
+        self.kernel(dinp.reshape(-1), _flat(g), _flat(self.saved))
+        return (dinp,)
+
+    cpdef release(self):
+        self.saved = None
+
+    def name(self):
+        return self.kernel.__name__.split("_")[0].capitalize() + "Backward"
+
+
+cdef inline Tensor _unary_result(Tensor t, object out, object kernel, object saved):
+    cdef Tensor res = Tensor._wrap(out)
+    cdef UnaryBackward node
+    if _grad_enabled and t._requires_grad:
+        node = UnaryBackward.__new__(UnaryBackward)
+        node.kernel = kernel
+        node.saved = saved
+        _attach(res, node, (t,))
+    return res
+
+
+def exp(x):
+    """y = e^x;  dx = g * y"""
+    cdef Tensor t = _t(x)
+    out = np.exp(_float_data(t))
+    return _unary_result(t, out, exp_backward, out)
+
+
+def log(x):
+    """y = ln x;  dx = g / x"""
+    cdef Tensor t = _t(x)
+    d = _float_data(t)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.log(d)
+    return _unary_result(t, out, log_backward, d)
+
+
+def sqrt(x):
+    """y = sqrt(x);  dx = g / (2y)"""
+    cdef Tensor t = _t(x)
+    with np.errstate(invalid="ignore"):
+        out = np.sqrt(_float_data(t))
+    return _unary_result(t, out, sqrt_backward, out)
+
+
+def tanh(x):
+    """y = tanh x;  dx = g * (1 - y^2)"""
+    cdef Tensor t = _t(x)
+    out = np.tanh(_float_data(t))
+    return _unary_result(t, out, tanh_backward, out)
+
+
+def sigmoid(x):
+    """y = 1 / (1 + e^-x);  dx = g * y * (1 - y)"""
+    cdef Tensor t = _t(x)
+    d = np.ascontiguousarray(_float_data(t))
+    out = np.empty_like(d)
+    sigmoid_forward(out.reshape(-1), d.reshape(-1))
+    return _unary_result(t, out, sigmoid_backward, out)
+
+
+def relu(x):
+    """y = max(x, 0);  dx = g * (x > 0)"""
+    cdef Tensor t = _t(x)
+    d = t._data
+    if d.dtype.kind != "f":
+        return Tensor._wrap(np.maximum(d, 0))
+    d = np.ascontiguousarray(d)
+    out = np.empty_like(d)
+    relu_forward(out.reshape(-1), d.reshape(-1))
+    return _unary_result(t, out, relu_backward, d)
+
+
+def abs(x):
+    """y = |x|;  dx = g * sign(x)"""
+    cdef Tensor t = _t(x)
+    d = t._data
+    out = np.abs(d)
+    if d.dtype.kind != "f":
+        return Tensor._wrap(out)
+    return _unary_result(t, out, abs_backward, d)
+
+
+cdef class ClampBackward(Node):
+    """y = min(max(x, lo), hi);  dx = g where lo <= x <= hi"""
+    cdef object x
+    cdef double lo, hi
+    cpdef tuple backward(self, g):
+        dinp = np.empty(self.x.shape, dtype=self.x.dtype)
+        clamp_backward(dinp.reshape(-1), _flat(g), _flat(self.x), self.lo, self.hi)
+        return (dinp,)
+
+    cpdef release(self):
+        self.x = None
+
+
+def clamp(x, min=None, max=None):
+    cdef Tensor t = _t(x)
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    if isinstance(min, Tensor) or isinstance(max, Tensor):
+        # tensor bounds: compose from where() so gradients reach them too
+        out = x
+        if min is not None:
+            out = where(lt(out, min), min, out)
+        if max is not None:
+            out = where(gt(out, max), max, out)
+        return out
+    d = t._data
+    out = np.clip(d, min, max)
+    cdef Tensor res = Tensor._wrap(out)
+    cdef ClampBackward node
+    if _grad_enabled and t._requires_grad:
+        node = ClampBackward.__new__(ClampBackward)
+        node.x = d
+        node.lo = -np.inf if min is None else min
+        node.hi = np.inf if max is None else max
+        _attach(res, node, (t,))
+    return res
+
+
+# ---- selection -------------------------------------------------------------------
+
+cdef class WhereBackward(Node):
+    """y = cond ? a : b;  da = g * cond,  db = g * !cond"""
+    cdef object cond
+    cdef tuple ashape, bshape
+    cpdef tuple backward(self, g):
+        da = db = None
+        if self.inputs[0] is not None:
+            da = unbroadcast(np.where(self.cond, g, 0), self.ashape)
+        if self.inputs[1] is not None:
+            db = unbroadcast(np.where(self.cond, 0, g), self.bshape)
+        return (da, db)
+
+    cpdef release(self):
+        self.cond = None
+
+
+def where(condition, input=None, other=None):
+    """Elements of `input` where `condition` is True, else of `other`."""
+    c = _operand(condition)
+    if input is None and other is None:
+        return tuple(Tensor._wrap(i) for i in np.nonzero(c))
+    if not isinstance(c, np.ndarray) or c.dtype != bool_:
+        c = np.asarray(c).astype(bool_)
+    x, y = _operand(input), _operand(other)
+    try:
+        out = np.where(c, x, y)
+    except ValueError:
+        raise ShapeError(
+            f"where: condition {c.shape}, input {tuple(_shape_of(x))} and other "
+            f"{tuple(_shape_of(y))} cannot be broadcast together") from None
+    out = _promote(out, x, y)
+    # a Python scalar takes the tensor's dtype
+    if isinstance(x, np.ndarray) and not isinstance(y, np.ndarray) and x.dtype.kind == "f":
+        out = out.astype(x.dtype, copy=False)
+    elif isinstance(y, np.ndarray) and not isinstance(x, np.ndarray) and y.dtype.kind == "f":
+        out = out.astype(y.dtype, copy=False)
+    cdef WhereBackward node = WhereBackward.__new__(WhereBackward)
+    node.cond = c
+    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
+    return _binary_result(out, input, other, node)
+
+
+def masked_fill(x, mask, value):
+    """`value` where `mask` is True, else x (gradient flows where mask is False)."""
+    cdef Tensor t = _t(x)
+    m = _operand(mask)
+    if not isinstance(m, np.ndarray) or m.dtype != bool_:
+        raise TypeError(f"masked_fill: mask must be a bool tensor, got "
+                        f"{_dtype_name(m.dtype) if isinstance(m, np.ndarray) else type(mask).__name__}")
+    try:
+        shape = np.broadcast_shapes(m.shape, t._data.shape)
+    except ValueError:
+        raise ShapeError(f"masked_fill: mask of shape {m.shape} does not broadcast to "
+                         f"the tensor's shape {t._data.shape}") from None
+    if shape != t._data.shape:
+        raise ShapeError(f"masked_fill: mask of shape {m.shape} does not broadcast to "
+                         f"the tensor's shape {t._data.shape}")
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError("masked_fill only supports a 0-dimensional value tensor")
+        value = value.item()
+    out = np.where(m, np.asarray(value, dtype=t._data.dtype), t._data)
+    cdef WhereBackward node = WhereBackward.__new__(WhereBackward)
+    node.cond = ~m
+    node.ashape, node.bshape = t._data.shape, ()
+    return _binary_result(out, t, None, node)
+
+
+# ---- comparisons (no gradient) ---------------------------------------------------
+
+cdef Tensor _compare(object ufunc, object a, object b, str op):
+    x, y = _operand(a), _operand(b)
+    try:
+        return Tensor._wrap(np.asarray(ufunc(x, y)))
+    except ValueError:
+        raise _broadcast_error(op, x, y) from None
+
+
+def lt(a, b): return _compare(np.less, a, b, "<")
+def le(a, b): return _compare(np.less_equal, a, b, "<=")
+def gt(a, b): return _compare(np.greater, a, b, ">")
+def ge(a, b): return _compare(np.greater_equal, a, b, ">=")
+def eq(a, b): return _compare(np.equal, a, b, "==")
+def ne(a, b): return _compare(np.not_equal, a, b, "!=")
+
+
+def logical_not(x):
+    return Tensor._wrap(np.logical_not(_operand(x)))
+
+
+def logical_and(a, b): return _compare(np.logical_and, a, b, "&")
+def logical_or(a, b): return _compare(np.logical_or, a, b, "|")
+
+
+def isnan(x):
+    return Tensor._wrap(np.isnan(_t(x)._data))
+
+
+def isfinite(x):
+    return Tensor._wrap(np.isfinite(_t(x)._data))
+
+
+# ---- dtype casts -----------------------------------------------------------------
+
+cdef class CastBackward(Node):
+    """y = x.to(dtype);  dx = g.to(x.dtype)"""
+    cdef object dtype
+    cpdef tuple backward(self, g):
+        return (g.astype(self.dtype),)
+
+
+def _cast(x, dtype, bint copy=False):
+    cdef Tensor t = _t(x)
+    cdef Tensor res = Tensor._wrap(t._data.astype(dtype, copy=True))
+    cdef CastBackward node
+    if _grad_enabled and t._requires_grad and np.dtype(dtype).kind == "f":
+        node = CastBackward.__new__(CastBackward)
+        node.dtype = t._data.dtype
+        _attach(res, node, (t,))
+    return res

@@ -1,0 +1,347 @@
+# Reductions: sum, mean, var, amax/max, argmax, softmax, log_softmax.
+
+import builtins as _builtins
+
+
+cdef object _expand_back(object g, tuple in_shape, tuple dims, bint keepdim):
+    """Broadcast a reduced gradient back over the reduced dims of `in_shape`."""
+    if not keepdim and dims:
+        g = np.expand_dims(g, dims)
+    return np.broadcast_to(g, in_shape)
+
+
+cdef class SumBackward(Node):
+    """y = sum(x, dims);  dx = broadcast(g)"""
+    cdef tuple shape, dims
+    cdef bint keepdim
+    cpdef tuple backward(self, g):
+        return (_expand_back(g, self.shape, self.dims, self.keepdim),)
+
+
+def sum(x, dim=None, keepdim=False, dtype=None):
+    cdef Tensor t = _t(x)
+    cdef tuple dims = _norm_dims(dim, t._data.ndim)
+    d = t._data
+    if d.dtype == bool_ or d.dtype.kind in "iu":
+        d = d.astype(int64)
+    out = np.asarray(d.sum(axis=dims, keepdims=keepdim))
+    if dtype is not None:
+        out = out.astype(as_dtype(dtype))
+    cdef Tensor res = Tensor._wrap(out)
+    cdef SumBackward node
+    if _grad_enabled and t._requires_grad:
+        node = SumBackward.__new__(SumBackward)
+        node.shape, node.dims, node.keepdim = t._data.shape, dims, keepdim
+        _attach(res, node, (t,))
+    return res
+
+
+cdef class MeanBackward(Node):
+    """y = mean(x, dims);  dx = broadcast(g) / n"""
+    cdef tuple shape, dims
+    cdef bint keepdim
+    cdef Py_ssize_t n
+    cpdef tuple backward(self, g):
+        return (_expand_back(g / self.n, self.shape, self.dims, self.keepdim),)
+
+
+def mean(x, dim=None, keepdim=False, dtype=None):
+    cdef Tensor t = _t(x)
+    if t._data.dtype.kind != "f" and dtype is None:
+        raise TypeError(
+            f"mean(): could not infer output dtype. Input dtype must be floating point, "
+            f"got {_dtype_name(t._data.dtype)}")
+    cdef tuple dims = _norm_dims(dim, t._data.ndim)
+    d = t._data if dtype is None else t._data.astype(as_dtype(dtype))
+    cdef Py_ssize_t n = 1
+    for i in dims:
+        n *= t._data.shape[i]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.asarray(d.mean(axis=dims, keepdims=keepdim))
+    cdef Tensor res = Tensor._wrap(out)
+    cdef MeanBackward node
+    if _grad_enabled and t._requires_grad:
+        node = MeanBackward.__new__(MeanBackward)
+        node.shape, node.dims, node.keepdim, node.n = t._data.shape, dims, keepdim, n
+        _attach(res, node, (t,))
+    return res
+
+
+cdef class VarBackward(Node):
+    """y = sum((x - mean)^2) / (n - correction);  dx = g * 2 (x - mean) / (n - correction)"""
+    cdef object centered
+    cdef tuple dims
+    cdef bint keepdim
+    cdef double denom
+    cpdef tuple backward(self, g):
+        if not self.keepdim and self.dims:
+            g = np.expand_dims(g, self.dims)
+        return (g * (2.0 / self.denom) * self.centered,)
+
+    cpdef release(self):
+        self.centered = None
+
+
+def var(x, dim=None, keepdim=False, correction=1, unbiased=None):
+    cdef Tensor t = _t(x)
+    if unbiased is not None:
+        correction = 1 if unbiased else 0
+    if t._data.dtype.kind != "f":
+        raise TypeError(f"var(): input dtype must be floating point, got {_dtype_name(t._data.dtype)}")
+    cdef tuple dims = _norm_dims(dim, t._data.ndim)
+    cdef Py_ssize_t n = 1
+    for i in dims:
+        n *= t._data.shape[i]
+    d = t._data
+    centered = d - d.mean(axis=dims, keepdims=True)
+    denom = n - correction
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.asarray(np.square(centered).sum(axis=dims, keepdims=keepdim) / (denom if denom > 0 else np.nan)).astype(d.dtype, copy=False)
+    cdef Tensor res = Tensor._wrap(out)
+    cdef VarBackward node
+    if _grad_enabled and t._requires_grad:
+        node = VarBackward.__new__(VarBackward)
+        node.centered, node.dims, node.keepdim = centered, dims, keepdim
+        node.denom = denom if denom > 0 else np.nan
+        _attach(res, node, (t,))
+    return res
+
+
+def std(x, dim=None, keepdim=False, correction=1):
+    return sqrt(var(x, dim, keepdim, correction))
+
+
+cdef class AmaxBackward(Node):
+    """y = max over dims;  dx = g / (number of ties) at every maximal element"""
+    cdef object x, out
+    cdef tuple dims
+    cdef bint keepdim
+    cpdef tuple backward(self, g):
+        out = self.out
+        if not self.keepdim and self.dims:
+            g = np.expand_dims(g, self.dims)
+            out = np.expand_dims(out, self.dims)
+        hit = (self.x == out)
+        count = hit.sum(axis=self.dims, keepdims=True)
+        return (np.where(hit, g / count, 0).astype(self.x.dtype, copy=False),)
+
+    cpdef release(self):
+        self.x = self.out = None
+
+
+def amax(x, dim=None, keepdim=False):
+    cdef Tensor t = _t(x)
+    cdef tuple dims = _norm_dims(dim, t._data.ndim)
+    if t._data.size == 0:
+        raise ValueError(f"amax(): cannot reduce an empty tensor of shape {t._data.shape}")
+    for i in dims:
+        if t._data.shape[i] == 0:
+            raise ValueError(f"amax(): cannot reduce over dimension {i} of size 0")
+    out = np.asarray(t._data.max(axis=dims, keepdims=keepdim))
+    cdef Tensor res = Tensor._wrap(out)
+    cdef AmaxBackward node
+    if _grad_enabled and t._requires_grad:
+        node = AmaxBackward.__new__(AmaxBackward)
+        node.x, node.out, node.dims, node.keepdim = t._data, out, dims, keepdim
+        _attach(res, node, (t,))
+    return res
+
+
+def amin(x, dim=None, keepdim=False):
+    return neg(amax(neg(x), dim, keepdim))
+
+
+cdef class MaxDimBackward(Node):
+    """values = x.max(dim);  dx = g scattered to the index of each maximum"""
+    cdef object indices
+    cdef tuple shape
+    cdef int dim
+    cdef bint keepdim
+    cpdef tuple backward(self, g):
+        idx = self.indices
+        if not self.keepdim:
+            g = np.expand_dims(g, self.dim)
+            idx = np.expand_dims(idx, self.dim)
+        dinp = np.zeros(self.shape, dtype=g.dtype)
+        np.put_along_axis(dinp, idx, g, axis=self.dim)
+        return (dinp,)
+
+    cpdef release(self):
+        self.indices = None
+
+
+cdef tuple _max_along(object d, int dim, bint keepdim):
+    """values, indices of the maximum along one dim (Cython kernel over rows)."""
+    moved = np.ascontiguousarray(np.moveaxis(d, dim, -1))
+    lead = moved.shape[:-1]
+    rows = moved.reshape(-1, moved.shape[-1])
+    if d.dtype.kind == "f":
+        values = np.empty(rows.shape[0], dtype=d.dtype)
+        indices = np.empty(rows.shape[0], dtype=int64)
+        if d.dtype == float32 or d.dtype == float64:
+            max_lastdim(rows, values, indices)
+        else:
+            indices = rows.argmax(axis=1)
+            values = rows.max(axis=1)
+    else:
+        indices = rows.argmax(axis=1).astype(int64)
+        values = rows.max(axis=1)
+    values = values.reshape(lead)
+    indices = indices.reshape(lead)
+    if keepdim:
+        values = np.expand_dims(values, dim)
+        indices = np.expand_dims(indices, dim)
+    return values, indices
+
+
+def max(x, dim=None, keepdim=False):
+    """max(x) -> the largest element; max(x, dim) -> (values, indices) as in torch."""
+    if dim is None:
+        if isinstance(keepdim, Tensor):
+            raise TypeError("max(a, b) of two tensors: use mt.maximum(a, b)")
+        return amax(x)
+    if isinstance(dim, Tensor):
+        return maximum(x, dim)
+    cdef Tensor t = _t(x)
+    cdef int d = _norm_dim(dim, t._data.ndim)
+    if t._data.ndim == 0:
+        return MaxResult(t, Tensor._wrap(np.zeros((), dtype=int64)))
+    if t._data.shape[d] == 0:
+        raise IndexError(f"max(): cannot take the maximum over dimension {dim} of size 0")
+    values, indices = _max_along(t._data, d, keepdim)
+    cdef Tensor res = Tensor._wrap(values)
+    cdef MaxDimBackward node
+    if _grad_enabled and t._requires_grad:
+        node = MaxDimBackward.__new__(MaxDimBackward)
+        node.indices, node.shape, node.dim, node.keepdim = indices, t._data.shape, d, keepdim
+        _attach(res, node, (t,))
+    return MaxResult(res, Tensor._wrap(indices))
+
+
+def min(x, dim=None, keepdim=False):
+    if dim is None:
+        return amin(x)
+    values, indices = max(neg(x), dim, keepdim)
+    return MaxResult(neg(values), indices)
+
+
+class MaxResult(tuple):
+    """(values, indices), also readable as .values and .indices (as torch's)."""
+    def __new__(cls, values, indices):
+        return tuple.__new__(cls, (values, indices))
+
+    @property
+    def values(self):
+        return self[0]
+
+    @property
+    def indices(self):
+        return self[1]
+
+
+def maximum(a, b):
+    return where(ge(a, b), a, b)
+
+
+def minimum(a, b):
+    return where(le(a, b), a, b)
+
+
+def argmax(x, dim=None, keepdim=False):
+    cdef Tensor t = _t(x)
+    if dim is None:
+        return Tensor._wrap(np.asarray(np.argmax(t._data), dtype=int64))
+    cdef int d = _norm_dim(dim, t._data.ndim)
+    return Tensor._wrap(_max_along(t._data, d, keepdim)[1])
+
+
+def argmin(x, dim=None, keepdim=False):
+    return argmax(neg(x), dim, keepdim)
+
+
+# ---- softmax / log_softmax: Cython kernels over rows of the last axis ---------------
+
+cdef class SoftmaxBackward(Node):
+    """y = softmax(x);  dx = y * (g - sum(g * y))"""
+    cdef object out
+    cdef int dim
+    cpdef tuple backward(self, g):
+        y = np.moveaxis(self.out, self.dim, -1)
+        gy = np.ascontiguousarray(np.moveaxis(g, self.dim, -1))
+        yc = np.ascontiguousarray(y)
+        dinp = np.empty_like(yc)
+        n = yc.shape[-1]
+        softmax_backward(dinp.reshape(-1, n), gy.reshape(-1, n), yc.reshape(-1, n))
+        return (np.moveaxis(dinp, -1, self.dim),)
+
+    cpdef release(self):
+        self.out = None
+
+
+cdef class LogSoftmaxBackward(Node):
+    """y = log_softmax(x);  dx = g - exp(y) * sum(g)"""
+    cdef object out
+    cdef int dim
+    cpdef tuple backward(self, g):
+        yc = np.ascontiguousarray(np.moveaxis(self.out, self.dim, -1))
+        gy = np.ascontiguousarray(np.moveaxis(g, self.dim, -1))
+        dinp = np.empty_like(yc)
+        n = yc.shape[-1]
+        log_softmax_backward(dinp.reshape(-1, n), gy.reshape(-1, n), yc.reshape(-1, n))
+        return (np.moveaxis(dinp, -1, self.dim),)
+
+    cpdef release(self):
+        self.out = None
+
+
+cdef Tensor _softmax_like(object x, object dim, bint log):
+    cdef Tensor t = _t(x)
+    if dim is None:
+        raise TypeError("softmax() needs dim (which dimension to normalise over)")
+    d = _float_data(t)
+    if d.dtype != float32 and d.dtype != float64:
+        d = d.astype(float32)
+    cdef int ax = _norm_dim(dim, d.ndim)
+    if d.ndim == 0:
+        out = np.zeros_like(d) if log else np.ones_like(d)
+    else:
+        xc = np.ascontiguousarray(np.moveaxis(d, ax, -1))
+        outc = np.empty_like(xc)
+        n = xc.shape[-1]
+        if xc.size:
+            if log:
+                log_softmax_forward(outc.reshape(-1, n), xc.reshape(-1, n))
+            else:
+                softmax_forward(outc.reshape(-1, n), xc.reshape(-1, n))
+        out = np.moveaxis(outc, -1, ax)
+    cdef Tensor res = Tensor._wrap(out)
+    cdef SoftmaxBackward snode
+    cdef LogSoftmaxBackward lnode
+    if _grad_enabled and t._requires_grad:
+        if d.ndim == 0:
+            return res
+        if log:
+            lnode = LogSoftmaxBackward.__new__(LogSoftmaxBackward)
+            lnode.out, lnode.dim = out, ax
+            _attach(res, lnode, (t,))
+        else:
+            snode = SoftmaxBackward.__new__(SoftmaxBackward)
+            snode.out, snode.dim = out, ax
+            _attach(res, snode, (t,))
+    return res
+
+
+def softmax(x, dim=None):
+    """y = exp(x) / sum(exp(x)) along dim (computed stably)."""
+    return _softmax_like(x, dim, False)
+
+
+def log_softmax(x, dim=None):
+    """y = x - logsumexp(x) along dim."""
+    return _softmax_like(x, dim, True)
+
+
+def logsumexp(x, dim, keepdim=False):
+    m = amax(x, dim, True).detach()
+    out = add(log(sum(exp(sub(x, m)), dim, True)), m)
+    return out if keepdim else squeeze(out, dim)

@@ -1,0 +1,447 @@
+# Shape ops: views and copies that move elements around. Backward moves the gradient
+# back the same way.
+
+cdef tuple _shape_from_args(tuple args):
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    return tuple(int(a) for a in args)
+
+
+cdef tuple _infer_shape(tuple shape, Py_ssize_t numel, tuple old):
+    """Resolve one -1 in a reshape target and check the element count."""
+    cdef int unknown = -1
+    cdef Py_ssize_t known = 1
+    for i, s in enumerate(shape):
+        if s == -1:
+            if unknown >= 0:
+                raise ShapeError(f"reshape: only one dimension can be -1, got {shape}")
+            unknown = i
+        elif s < 0:
+            raise ValueError(f"reshape: invalid size {s} in shape {shape}")
+        else:
+            known *= s
+    if unknown >= 0:
+        if known == 0 or numel % known != 0:
+            raise ShapeError(f"shape '{list(shape)}' is invalid for input of size {numel} (shape {old})")
+        shape = shape[:unknown] + (numel // known,) + shape[unknown + 1:]
+    elif known != numel:
+        raise ShapeError(f"shape '{list(shape)}' is invalid for input of size {numel} (shape {old})")
+    return shape
+
+
+cdef class ReshapeBackward(Node):
+    """y = x.reshape(shape);  dx = g.reshape(x.shape)"""
+    cdef tuple shape
+    cpdef tuple backward(self, g):
+        return (g.reshape(self.shape),)
+
+
+def reshape(x, *shape):
+    cdef Tensor t = _t(x)
+    cdef tuple target = _infer_shape(_shape_from_args(shape), t._data.size, t._data.shape)
+    if target == t._data.shape:
+        return t if not t._requires_grad or not _grad_enabled else _view_identity(t)
+    cdef Tensor res = Tensor._wrap(t._data.reshape(target))
+    cdef ReshapeBackward node
+    if _grad_enabled and t._requires_grad:
+        node = ReshapeBackward.__new__(ReshapeBackward)
+        node.shape = t._data.shape
+        _attach(res, node, (t,))
+    return res
+
+
+cdef Tensor _view_identity(Tensor t):
+    cdef Tensor res = Tensor._wrap(t._data)
+    cdef ReshapeBackward node = ReshapeBackward.__new__(ReshapeBackward)
+    node.shape = t._data.shape
+    _attach(res, node, (t,))
+    return res
+
+
+def view(x, *shape):
+    return reshape(x, *shape)
+
+
+def flatten(x, start_dim=0, end_dim=-1):
+    cdef Tensor t = _t(x)
+    nd = t._data.ndim
+    if nd == 0:
+        return reshape(t, 1)
+    s = _norm_dim(start_dim, nd)
+    e = _norm_dim(end_dim, nd)
+    if s > e:
+        raise ValueError(f"flatten: start_dim ({start_dim}) comes after end_dim ({end_dim})")
+    shp = t._data.shape
+    return reshape(t, shp[:s] + (-1 if 0 not in shp[s:e + 1] else 0,) + shp[e + 1:])
+
+
+def unsqueeze(x, dim):
+    cdef Tensor t = _t(x)
+    cdef int d = _norm_dim(dim, t._data.ndim + 1)
+    shp = t._data.shape
+    return reshape(t, shp[:d] + (1,) + shp[d:])
+
+
+def squeeze(x, dim=None):
+    cdef Tensor t = _t(x)
+    shp = t._data.shape
+    if dim is None:
+        return reshape(t, tuple(s for s in shp if s != 1))
+    dims = _norm_dims(dim, t._data.ndim) if t._data.ndim else ()
+    return reshape(t, tuple(s for i, s in enumerate(shp) if not (i in dims and s == 1)))
+
+
+cdef class PermuteBackward(Node):
+    """y = x.permute(dims);  dx = g.permute(inverse(dims))"""
+    cdef tuple inverse
+    cpdef tuple backward(self, g):
+        return (g.transpose(self.inverse),)
+
+
+def permute(x, *dims):
+    cdef Tensor t = _t(x)
+    cdef tuple ds = _shape_from_args(dims)
+    nd = t._data.ndim
+    if len(ds) != nd:
+        raise ShapeError(f"permute: number of dims {len(ds)} doesn't match the tensor's "
+                         f"{nd} dims (shape {t._data.shape}); got dims {ds}")
+    ds = tuple(_norm_dim(d, nd) for d in ds)
+    if len(set(ds)) != nd:
+        raise ShapeError(f"permute: dims {ds} repeat a dimension")
+    cdef Tensor res = Tensor._wrap(t._data.transpose(ds))
+    cdef PermuteBackward node
+    if _grad_enabled and t._requires_grad:
+        node = PermuteBackward.__new__(PermuteBackward)
+        node.inverse = tuple(np.argsort(ds))
+        _attach(res, node, (t,))
+    return res
+
+
+def transpose(x, dim0, dim1):
+    cdef Tensor t = _t(x)
+    nd = t._data.ndim
+    if nd == 0:
+        return t
+    a, b = _norm_dim(dim0, nd), _norm_dim(dim1, nd)
+    order = list(range(nd))
+    order[a], order[b] = order[b], order[a]
+    return permute(t, tuple(order))
+
+
+cdef class ExpandBackward(Node):
+    """y = x.expand(sizes);  dx = unbroadcast(g)"""
+    cdef tuple shape
+    cpdef tuple backward(self, g):
+        return (unbroadcast(g, self.shape),)
+
+
+def expand(x, *sizes):
+    cdef Tensor t = _t(x)
+    cdef tuple target = _shape_from_args(sizes)
+    shp = t._data.shape
+    if len(target) < len(shp):
+        raise ShapeError(f"expand: the number of sizes ({len(target)}) must be at least the "
+                         f"number of dims ({len(shp)}) of shape {shp}")
+    lead = len(target) - len(shp)
+    resolved = list(target)
+    for i, s in enumerate(target):
+        if s == -1:
+            if i < lead:
+                raise ShapeError(f"expand: -1 is not allowed for a new leading dim, got {target}")
+            resolved[i] = shp[i - lead]
+        elif i >= lead and shp[i - lead] != 1 and shp[i - lead] != s:
+            raise ShapeError(f"expand: the expanded size {s} must match the existing size "
+                             f"{shp[i - lead]} at dim {i} (shape {shp} -> {target})")
+    cdef Tensor res = Tensor._wrap(np.broadcast_to(t._data, tuple(resolved)))
+    cdef ExpandBackward node
+    if _grad_enabled and t._requires_grad:
+        node = ExpandBackward.__new__(ExpandBackward)
+        node.shape = shp
+        _attach(res, node, (t,))
+    return res
+
+
+def expand_as(x, other):
+    return expand(x, other.shape)
+
+
+def contiguous(x):
+    cdef Tensor t = _t(x)
+    if t._data.flags.c_contiguous:
+        return t
+    cdef Tensor res = Tensor._wrap(np.ascontiguousarray(t._data))
+    cdef ReshapeBackward node
+    if _grad_enabled and t._requires_grad:
+        node = ReshapeBackward.__new__(ReshapeBackward)
+        node.shape = t._data.shape
+        _attach(res, node, (t,))
+    return res
+
+
+def split(x, split_size_or_sections, dim=0):
+    cdef Tensor t = _t(x)
+    cdef int d = _norm_dim(dim, t._data.ndim)
+    n = t._data.shape[d]
+    if isinstance(split_size_or_sections, (int, np.integer)):
+        step = int(split_size_or_sections)
+        if step <= 0:
+            raise ValueError(f"split: split_size must be positive, got {step}")
+        sizes = [step] * (n // step) + ([n % step] if n % step else [])
+        if n == 0:
+            sizes = [0]
+    else:
+        sizes = [int(s) for s in split_size_or_sections]
+        if _builtins.sum(sizes) != n:
+            raise ShapeError(f"split: sizes {sizes} sum to {_builtins.sum(sizes)}, but dim {dim} "
+                             f"has size {n}")
+    out = []
+    start = 0
+    for s in sizes:
+        key = (slice(None),) * d + (slice(start, start + s),)
+        out.append(getitem(t, key))
+        start += s
+    return tuple(out)
+
+
+def chunk(x, chunks, dim=0):
+    cdef Tensor t = _t(x)
+    if chunks <= 0:
+        raise ValueError(f"chunk: chunks must be positive, got {chunks}")
+    cdef int d = _norm_dim(dim, t._data.ndim)
+    n = t._data.shape[d]
+    size = -(-n // chunks) if n else 1
+    return split(t, _builtins.max(size, 1), d)
+
+
+cdef class CatBackward(Node):
+    """y = cat(xs, dim);  dx_i = the slice of g that x_i filled"""
+    cdef list bounds
+    cdef int dim
+    cpdef tuple backward(self, g):
+        out = []
+        for start, stop in self.bounds:
+            key = (slice(None),) * self.dim + (slice(start, stop),)
+            out.append(g[key])
+        return tuple(out)
+
+
+def cat(tensors, dim=0):
+    tensors = [_t(x) if isinstance(x, Tensor) else Tensor._wrap(_to_array(x, None)) for x in tensors]
+    if not tensors:
+        raise ValueError("cat: expected a non-empty list of tensors")
+    nd = tensors[0]._data.ndim
+    if nd == 0:
+        raise ShapeError("cat: zero-dimensional tensors cannot be concatenated")
+    cdef int d = _norm_dim(dim, nd)
+    ref = tensors[0]._data.shape
+    for i, tt in enumerate(tensors):
+        s = (<Tensor>tt)._data.shape
+        if len(s) != nd or s[:d] + s[d + 1:] != ref[:d] + ref[d + 1:]:
+            raise ShapeError(f"cat: sizes of tensors must match except in dimension {d}; "
+                             f"tensor 0 has shape {ref}, tensor {i} has shape {s}")
+    arrays = [(<Tensor>tt)._data for tt in tensors]
+    cdef Tensor res = Tensor._wrap(np.concatenate(arrays, axis=d))
+    cdef CatBackward node
+    inputs = tuple(tensors)
+    if _needs_graph(inputs):
+        node = CatBackward.__new__(CatBackward)
+        bounds = []
+        start = 0
+        for a in arrays:
+            bounds.append((start, start + a.shape[d]))
+            start += a.shape[d]
+        node.bounds, node.dim = bounds, d
+        _attach(res, node, inputs)
+    return res
+
+
+def stack(tensors, dim=0):
+    tensors = [_t(x) if isinstance(x, Tensor) else Tensor._wrap(_to_array(x, None)) for x in tensors]
+    if not tensors:
+        raise ValueError("stack: expected a non-empty list of tensors")
+    ref = tensors[0]._data.shape
+    for i, tt in enumerate(tensors):
+        if (<Tensor>tt)._data.shape != ref:
+            raise ShapeError(f"stack: expects each tensor to be equal size, but got {ref} at "
+                             f"entry 0 and {(<Tensor>tt)._data.shape} at entry {i}")
+    d = _norm_dim(dim, len(ref) + 1)
+    return cat([unsqueeze(tt, d) for tt in tensors], d)
+
+
+cdef class TrilBackward(Node):
+    """y = tril(x, k) (or triu);  dx = tril(g, k)"""
+    cdef int k
+    cdef bint upper
+    cpdef tuple backward(self, g):
+        return ((np.triu if self.upper else np.tril)(g, self.k),)
+
+
+cdef Tensor _tri(object x, int diagonal, bint upper):
+    cdef Tensor t = _t(x)
+    if t._data.ndim < 2:
+        raise ShapeError(f"{'triu' if upper else 'tril'}: input must have at least 2 dims, "
+                         f"got shape {t._data.shape}")
+    cdef Tensor res = Tensor._wrap((np.triu if upper else np.tril)(t._data, diagonal))
+    cdef TrilBackward node
+    if _grad_enabled and t._requires_grad:
+        node = TrilBackward.__new__(TrilBackward)
+        node.k, node.upper = diagonal, upper
+        _attach(res, node, (t,))
+    return res
+
+
+def tril(x, diagonal=0):
+    return _tri(x, diagonal, False)
+
+
+def triu(x, diagonal=0):
+    return _tri(x, diagonal, True)
+
+
+# ---- indexing ------------------------------------------------------------------
+
+cdef object _index_key(object key):
+    """Tensors and lists inside an index become numpy arrays."""
+    if isinstance(key, tuple):
+        return tuple(_index_part(k) for k in key)
+    return _index_part(key)
+
+
+cdef object _index_part(object k):
+    if isinstance(k, Tensor):
+        a = (<Tensor>k)._data
+        if a.dtype.kind == "f":
+            raise IndexError("tensors used as indices must be long, int or bool, got float")
+        return a if a.ndim else a.item()
+    if isinstance(k, list):
+        a = np.asarray(k)
+        if a.dtype.kind == "f":
+            raise IndexError("lists used as indices must hold integers or bools")
+        return a
+    return k
+
+
+cdef bint _is_basic(object key):
+    if isinstance(key, tuple):
+        for k in key:
+            if isinstance(k, np.ndarray):
+                return False
+        return True
+    return not isinstance(key, np.ndarray)
+
+
+cdef class IndexBackward(Node):
+    """y = x[key];  dx = zeros, then dx[key] += g (repeated indices accumulate)"""
+    cdef object key
+    cdef tuple shape
+    cdef object dtype
+    cdef bint basic
+    cpdef tuple backward(self, g):
+        dinp = np.zeros(self.shape, dtype=self.dtype)
+        key = self.key
+        if self.basic:
+            dinp[key] = g
+        elif isinstance(key, np.ndarray) and key.dtype == int64 and key.ndim == 1 \
+                and dinp.ndim >= 1 and (self.dtype == float32 or self.dtype == float64):
+            # the common gather of rows: a Cython scatter-add kernel
+            idx = np.where(key < 0, key + self.shape[0], key)
+            rows = dinp.reshape(self.shape[0], -1)
+            scatter_add_rows(rows, idx, np.ascontiguousarray(g).reshape(len(idx), -1))
+        else:
+            np.add.at(dinp, key, g)
+        return (dinp,)
+
+    cpdef release(self):
+        self.key = None
+
+
+def getitem(x, key):
+    cdef Tensor t = _t(x)
+    key = _index_key(key)
+    try:
+        out = t._data[key]
+    except IndexError as e:
+        raise IndexError(f"{e} (indexing a tensor of shape {t._data.shape})") from None
+    if not isinstance(out, np.ndarray):
+        out = np.asarray(out)
+    cdef Tensor res = Tensor._wrap(out)
+    cdef IndexBackward node
+    if _grad_enabled and t._requires_grad:
+        node = IndexBackward.__new__(IndexBackward)
+        node.key, node.shape, node.dtype = key, t._data.shape, t._data.dtype
+        node.basic = _is_basic(key)
+        _attach(res, node, (t,))
+    return res
+
+
+def index_select(x, dim, index):
+    cdef Tensor t = _t(x)
+    d = _norm_dim(dim, t._data.ndim)
+    return getitem(t, (slice(None),) * d + (index,))
+
+
+# ---- matmul ----------------------------------------------------------------------
+
+cdef class MatmulBackward(Node):
+    """y = a @ b;  da = g @ b^T,  db = a^T @ g   (batch dims unbroadcast)"""
+    cdef object a, b
+    cpdef tuple backward(self, g):
+        a, b = self.a, self.b
+        a1, b1 = a.ndim == 1, b.ndim == 1
+        a2 = a[None, :] if a1 else a
+        b2 = b[:, None] if b1 else b
+        if a1:
+            g = np.expand_dims(g, -2)
+        if b1:
+            g = np.expand_dims(g, -1)
+        da = db = None
+        if self.inputs[0] is not None:
+            if b2.ndim == 2 and g.ndim > 2:
+                # (B, T, N) @ (N, K): one 2-D BLAS call instead of B small ones
+                da = (g.reshape(-1, g.shape[-1]) @ b2.T).reshape(g.shape[:-1] + (b2.shape[0],))
+            else:
+                da = np.matmul(g, np.swapaxes(b2, -1, -2))
+            if a1:
+                da = da.reshape(da.shape[:-2] + (da.shape[-1],))
+            da = unbroadcast(da, a.shape)
+        if self.inputs[1] is not None:
+            if b2.ndim == 2 and a2.ndim > 2:
+                # sum over the batch of a_i^T g_i = one 2-D BLAS call on flattened rows
+                db = a2.reshape(-1, a2.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+            elif a2.ndim == 2 and g.ndim > 2 and b2.ndim == 2:
+                # (.., M, K)^T @ (.., M, N) summed over the batch = one 2-D BLAS call
+                a_flat = np.broadcast_to(a2, g.shape[:-2] + a2.shape).reshape(-1, a2.shape[-1])
+                db = a_flat.T @ g.reshape(-1, g.shape[-1])
+            else:
+                db = np.matmul(np.swapaxes(a2, -1, -2), g)
+            if b1:
+                db = db[..., 0]
+            db = unbroadcast(db, b.shape)
+        return (da, db)
+
+    cpdef release(self):
+        self.a = self.b = None
+
+
+def matmul(a, b):
+    x, y = _operand(a), _operand(b)
+    if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray) or x.ndim == 0 or y.ndim == 0:
+        raise ShapeError("matmul: both arguments need at least 1 dimension "
+                         f"(got shapes {tuple(_shape_of(x))} and {tuple(_shape_of(y))})")
+    kx = x.shape[-1]
+    ky = y.shape[0] if y.ndim == 1 else y.shape[-2]
+    if kx != ky:
+        raise ShapeError(f"matmul: shapes {x.shape} and {y.shape} cannot be multiplied "
+                         f"({kx} != {ky} in the inner dimension)")
+    try:
+        if x.ndim == 3 and y.ndim == 2 and x.flags.c_contiguous:
+            # (B, T, C) @ (C, N): one 2-D BLAS call instead of B small ones
+            out = (x.reshape(-1, kx) @ y).reshape(x.shape[0], x.shape[1], y.shape[1])
+        else:
+            out = np.matmul(x, y)
+    except ValueError:
+        raise ShapeError(f"matmul: batch dims of {x.shape} and {y.shape} cannot be broadcast") from None
+    out = _promote(out, x, y)
+    cdef MatmulBackward node = MatmulBackward.__new__(MatmulBackward)
+    node.a, node.b = x, y
+    return _binary_result(out, a, b, node)

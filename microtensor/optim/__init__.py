@@ -1,0 +1,1 @@
+"""mt.optim: optimizers and learning-rate schedules."""

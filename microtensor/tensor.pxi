@@ -1,0 +1,698 @@
+# The Tensor: a numpy array plus what autograd needs (requires_grad, grad, grad_fn).
+
+float32 = np.dtype(np.float32)
+float64 = np.dtype(np.float64)
+int64 = np.dtype(np.int64)
+int32 = np.dtype(np.int32)
+uint8 = np.dtype(np.uint8)
+bool_ = np.dtype(np.bool_)
+
+_DTYPE_NAMES = {float32: "float32", float64: "float64", int64: "int64", int32: "int32",
+                uint8: "uint8", bool_: "bool", np.dtype(np.float16): "float16"}
+
+
+def _dtype_name(dt):
+    return _DTYPE_NAMES.get(np.dtype(dt), str(np.dtype(dt)))
+
+
+cpdef object as_dtype(object dtype):
+    """Accept mt.float32, np.float32, 'float32', float, int or bool as a dtype."""
+    if dtype is None:
+        return None
+    if dtype is float:
+        return float32
+    if dtype is int:
+        return int64
+    if dtype is bool:
+        return bool_
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"not a dtype: {dtype!r}") from None
+
+
+cdef class Tensor:
+    """An n-dimensional array that records the operations applied to it.
+
+    `data` is kept in a numpy array; operations on tensors that require grad build a
+    graph of Nodes, and `backward()` walks it in reverse.
+    """
+    __array_priority__ = 1000
+
+    def __init__(self, data=None, requires_grad=False):
+        if data is None:
+            data = np.zeros(0, dtype=float32)
+        self._data = _to_array(data, None)
+        self._grad = None
+        self._node = None
+        self._hooks = None
+        self._requires_grad = False
+        if requires_grad:
+            self.requires_grad = True
+
+    @staticmethod
+    cdef Tensor _wrap(object array):
+        """A new tensor around `array` (no copy, no graph)."""
+        cdef Tensor t = Tensor.__new__(Tensor)
+        if type(array) is not np.ndarray:
+            # numpy hands back scalars from ops on 0-d arrays; keep an array
+            array = array if isinstance(array, np.ndarray) else np.asarray(array)
+        t._data = array
+        t._requires_grad = False
+        return t
+
+    # -- numpy interop: ndarray (op) Tensor defers to Tensor's reflected operators
+    __array_ufunc__ = None
+
+    def __array__(self, dtype=None, copy=None):
+        if dtype is None:
+            return self._data
+        return self._data.astype(dtype)
+
+    # -- attributes -------------------------------------------------------------
+    @property
+    def shape(self):
+        return self._data.shape
+
+    @property
+    def ndim(self):
+        return self._data.ndim
+
+    @property
+    def dtype(self):
+        return self._data.dtype
+
+    @property
+    def device(self):
+        return "cpu"
+
+    def dim(self):
+        return self._data.ndim
+
+    def numel(self):
+        return self._data.size
+
+    def nelement(self):
+        return self._data.size
+
+    def size(self, dim=None):
+        if dim is None:
+            return self._data.shape
+        return self._data.shape[_norm_dim(dim, self._data.ndim)]
+
+    def element_size(self):
+        return self._data.itemsize
+
+    def numpy(self):
+        """The values as a numpy array sharing memory (never tracks gradients)."""
+        return self._data
+
+    def item(self):
+        if self._data.size != 1:
+            raise ValueError(
+                f"a Tensor with {self._data.size} elements cannot be converted to a Python scalar")
+        return self._data.reshape(()).item()
+
+    def tolist(self):
+        return self._data.tolist()
+
+    @property
+    def T(self):
+        if self._data.ndim > 2:
+            raise ValueError(
+                f"t.T works on tensors of at most 2 dims, got shape {self._data.shape}; "
+                "use permute() or transpose()")
+        if self._data.ndim < 2:
+            return self
+        return transpose(self, 0, 1)
+
+    @property
+    def mT(self):
+        return transpose(self, -2, -1)
+
+    @property
+    def grad(self):
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        if value is None:
+            self._grad = None
+            return
+        value = value if isinstance(value, Tensor) else Tensor._wrap(np.asarray(value))
+        if value.shape != self.shape:
+            raise ShapeError(f"assigned grad has shape {value.shape}, but the tensor has shape {self.shape}")
+        self._grad = value
+
+    @property
+    def requires_grad(self):
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        value = bool(value)
+        if self._node is not None and not value:
+            raise RuntimeError(
+                "you can only change requires_grad flags of leaf variables; use detach() "
+                "to get a tensor that does not require grad")
+        if value and self._data.dtype.kind != "f":
+            raise TypeError(
+                f"only tensors of floating point dtype can require gradients, got dtype "
+                f"{_dtype_name(self._data.dtype)}")
+        self._requires_grad = value
+
+    def requires_grad_(self, requires_grad=True):
+        self.requires_grad = requires_grad
+        return self
+
+    @property
+    def is_leaf(self):
+        return self._node is None
+
+    @property
+    def grad_fn(self):
+        return self._node
+
+    @property
+    def data(self):
+        """A tensor sharing this one's storage, detached from the graph."""
+        return Tensor._wrap(self._data)
+
+    @data.setter
+    def data(self, value):
+        self._data = value._data if isinstance(value, Tensor) else _to_array(value, None)
+
+    # -- autograd -------------------------------------------------------------
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        """Accumulate d(self)/d(leaf) * gradient into every leaf's .grad."""
+        if create_graph:
+            raise NotImplementedError("create_graph=True (higher-order gradients) is not supported")
+        if not self._requires_grad:
+            raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+        if gradient is None:
+            if self._data.size != 1:
+                raise RuntimeError(
+                    f"grad can be implicitly created only for scalar outputs; this output has "
+                    f"shape {self._data.shape}, so pass gradient= of that shape")
+            g = np.ones(self._data.shape, dtype=self._data.dtype)
+        else:
+            g = _to_array(gradient, self._data.dtype)
+            if g.shape != self._data.shape:
+                raise ShapeError(
+                    f"gradient has shape {g.shape} but the output has shape {self._data.shape}")
+            if g.dtype != self._data.dtype:
+                g = g.astype(self._data.dtype)
+        run_backward([self], [g], bool(retain_graph))
+
+    def detach(self):
+        return Tensor._wrap(self._data)
+
+    def detach_(self):
+        self._node = None
+        self._requires_grad = False
+        return self
+
+    def retain_grad(self):
+        """Keep .grad on this non-leaf tensor after backward."""
+        if self._node is None:
+            return
+        self._node._retained = self
+
+    @property
+    def retains_grad(self):
+        return self._node is not None and self._node._retained is self
+
+    def register_hook(self, hook):
+        """hook(grad) runs when this tensor's gradient is computed; it may return a
+        replacement gradient. Returns a handle whose remove() unregisters it."""
+        if not self._requires_grad:
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        if self._node is not None:
+            if self._node._hooks is None:
+                self._node._hooks = []
+            lst = self._node._hooks
+        else:
+            if self._hooks is None:
+                self._hooks = []
+            lst = self._hooks
+        lst.append(hook)
+        return _HookHandle(lst, hook)
+
+    # -- conversions ------------------------------------------------------------
+    def to(self, dtype=None, *args, **kwargs):
+        if isinstance(dtype, str) and dtype in ("cpu",):
+            return self
+        dtype = as_dtype(kwargs.get("dtype", dtype))
+        if dtype is None or dtype == self._data.dtype:
+            return self
+        return _cast(self, dtype)
+
+    def type(self, dtype):
+        return self.to(dtype)
+
+    def float(self):
+        return self.to(float32)
+
+    def double(self):
+        return self.to(float64)
+
+    def long(self):
+        return self.to(int64)
+
+    def int(self):
+        return self.to(int32)
+
+    def bool(self):
+        return self.to(bool_)
+
+    def cpu(self):
+        return self
+
+    def clone(self):
+        return _cast(self, self._data.dtype, True)
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __index__(self):
+        if self._data.dtype.kind not in "iu" or self._data.size != 1:
+            raise TypeError("only integer tensors of a single element can be converted to an index")
+        return int(self.item())
+
+    def __bool__(self):
+        if self._data.size != 1:
+            raise RuntimeError(
+                f"Boolean value of Tensor with {self._data.size} elements is ambiguous")
+        return bool(self._data.reshape(()).item())
+
+    def __len__(self):
+        if self._data.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return self._data.shape[0]
+
+    def __iter__(self):
+        if self._data.ndim == 0:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self._data.shape[0]))
+
+    def __hash__(self):
+        return id(self)
+
+    def __reduce__(self):
+        raise TypeError("microtensor tensors are not pickled; save them with mt.save (safetensors)")
+
+    def __repr__(self):
+        body = np.array2string(self._data, separator=", ", precision=4,
+                               prefix="tensor(", threshold=200)
+        extras = []
+        if self._data.dtype != float32 and self._data.dtype != int64 or self._data.size == 0:
+            extras.append(f"dtype=mt.{_dtype_name(self._data.dtype)}")
+        if self._data.ndim > 1 or self._data.size > 6:
+            extras.append(f"shape={self._data.shape}")
+        if self._node is not None:
+            extras.append(f"grad_fn=<{self._node.name()}>")
+        elif self._requires_grad:
+            extras.append("requires_grad=True")
+        return "tensor(" + body + "".join(", " + e for e in extras) + ")"
+
+    # -- in-place updates (no graph: for initialisers and optimisers) ----------
+    cdef _check_inplace(self):
+        if _grad_enabled and self._requires_grad and self._node is None:
+            raise RuntimeError(
+                "a leaf tensor that requires grad is being used in an in-place operation; "
+                "wrap it in `with mt.no_grad():` or update `t.data`")
+
+    def zero_(self):
+        self._check_inplace()
+        self._data[...] = 0
+        return self
+
+    def fill_(self, value):
+        self._check_inplace()
+        self._data[...] = value
+        return self
+
+    def copy_(self, src):
+        self._check_inplace()
+        np.copyto(self._data, _to_array(src, None), casting="unsafe")
+        return self
+
+    def add_(self, other, alpha=1):
+        self._check_inplace()
+        o = _to_array(other, None)
+        if alpha != 1:
+            o = o * alpha
+        np.add(self._data, o, out=self._data, casting="unsafe")
+        return self
+
+    def sub_(self, other, alpha=1):
+        return self.add_(other, alpha=-alpha)
+
+    def mul_(self, other):
+        self._check_inplace()
+        np.multiply(self._data, _to_array(other, None), out=self._data, casting="unsafe")
+        return self
+
+    def div_(self, other):
+        self._check_inplace()
+        np.divide(self._data, _to_array(other, None), out=self._data, casting="unsafe")
+        return self
+
+    def clamp_(self, min=None, max=None):
+        self._check_inplace()
+        np.clip(self._data, min, max, out=self._data)
+        return self
+
+    def normal_(self, mean=0.0, std=1.0):
+        self._check_inplace()
+        self._data[...] = _rng.normal(mean, std, self._data.shape)
+        return self
+
+    def uniform_(self, a=0.0, b=1.0):
+        self._check_inplace()
+        self._data[...] = _rng.uniform(a, b, self._data.shape)
+        return self
+
+    def __setitem__(self, key, value):
+        if _grad_enabled and self._requires_grad:
+            raise RuntimeError(
+                "index assignment into a tensor that requires grad is not differentiable here; "
+                "do it under `with mt.no_grad():` or build the tensor with mt.where / masked_fill")
+        self._data[_index_key(key)] = _to_array(value, None)
+
+
+    # -- operations as methods (the functions live in ops_*.pxi) -----------------
+    def __add__(self, other): return add(self, other)
+    def __radd__(self, other): return add(other, self)
+    def __sub__(self, other): return sub(self, other)
+    def __rsub__(self, other): return sub(other, self)
+    def __mul__(self, other): return mul(self, other)
+    def __rmul__(self, other): return mul(other, self)
+    def __truediv__(self, other): return div(self, other)
+    def __rtruediv__(self, other): return div(other, self)
+    def __pow__(self, other, mod=None): return pow(self, other)
+    def __rpow__(self, other, mod=None): return pow(other, self)
+    def __matmul__(self, other): return matmul(self, other)
+    def __rmatmul__(self, other): return matmul(other, self)
+    def __neg__(self): return neg(self)
+    def __pos__(self): return self
+    def __abs__(self): return abs(self)
+    def __invert__(self):
+        if self._data.dtype != bool_:
+            raise TypeError(f"~ works on bool tensors, got dtype {_dtype_name(self._data.dtype)}")
+        return logical_not(self)
+    def __and__(self, other): return logical_and(self, other)
+    def __or__(self, other): return logical_or(self, other)
+    def __lt__(self, other): return lt(self, other)
+    def __le__(self, other): return le(self, other)
+    def __gt__(self, other): return gt(self, other)
+    def __ge__(self, other): return ge(self, other)
+    def __eq__(self, other): return eq(self, other)
+    def __ne__(self, other): return ne(self, other)
+    def __getitem__(self, key): return getitem(self, key)
+
+    def add(self, other, alpha=1): return add(self, other, alpha)
+    def sub(self, other, alpha=1): return sub(self, other, alpha)
+    def mul(self, other): return mul(self, other)
+    def div(self, other): return div(self, other)
+    def pow(self, exponent): return pow(self, exponent)
+    def neg(self): return neg(self)
+    def exp(self): return exp(self)
+    def log(self): return log(self)
+    def sqrt(self): return sqrt(self)
+    def rsqrt(self): return div(1.0, sqrt(self))
+    def square(self): return mul(self, self)
+    def tanh(self): return tanh(self)
+    def sigmoid(self): return sigmoid(self)
+    def relu(self): return relu(self)
+    def abs(self): return abs(self)
+    def clamp(self, min=None, max=None): return clamp(self, min, max)
+    def clip(self, min=None, max=None): return clamp(self, min, max)
+    def sum(self, dim=None, keepdim=False, dtype=None): return sum(self, dim, keepdim, dtype)
+    def mean(self, dim=None, keepdim=False, dtype=None): return mean(self, dim, keepdim, dtype)
+    def var(self, dim=None, keepdim=False, correction=1, unbiased=None):
+        return var(self, dim, keepdim, correction, unbiased)
+    def std(self, dim=None, keepdim=False, correction=1): return std(self, dim, keepdim, correction)
+    def amax(self, dim=None, keepdim=False): return amax(self, dim, keepdim)
+    def amin(self, dim=None, keepdim=False): return amin(self, dim, keepdim)
+    def max(self, dim=None, keepdim=False): return max(self, dim, keepdim)
+    def min(self, dim=None, keepdim=False): return min(self, dim, keepdim)
+    def argmax(self, dim=None, keepdim=False): return argmax(self, dim, keepdim)
+    def argmin(self, dim=None, keepdim=False): return argmin(self, dim, keepdim)
+    def softmax(self, dim): return softmax(self, dim)
+    def log_softmax(self, dim): return log_softmax(self, dim)
+    def logsumexp(self, dim, keepdim=False): return logsumexp(self, dim, keepdim)
+    def reshape(self, *shape): return reshape(self, *shape)
+    def view(self, *shape): return reshape(self, *shape)
+    def view_as(self, other): return reshape(self, other.shape)
+    def reshape_as(self, other): return reshape(self, other.shape)
+    def transpose(self, dim0, dim1): return transpose(self, dim0, dim1)
+    def permute(self, *dims): return permute(self, *dims)
+    def unsqueeze(self, dim): return unsqueeze(self, dim)
+    def squeeze(self, dim=None): return squeeze(self, dim)
+    def flatten(self, start_dim=0, end_dim=-1): return flatten(self, start_dim, end_dim)
+    def expand(self, *sizes): return expand(self, *sizes)
+    def expand_as(self, other): return expand(self, other.shape)
+    def contiguous(self): return contiguous(self)
+    def is_contiguous(self): return self._data.flags.c_contiguous
+    def split(self, split_size_or_sections, dim=0): return split(self, split_size_or_sections, dim)
+    def chunk(self, chunks, dim=0): return chunk(self, chunks, dim)
+    def masked_fill(self, mask, value): return masked_fill(self, mask, value)
+    def matmul(self, other): return matmul(self, other)
+    def tril(self, diagonal=0): return tril(self, diagonal)
+    def triu(self, diagonal=0): return triu(self, diagonal)
+    def index_select(self, dim, index): return index_select(self, dim, index)
+    def eq(self, other): return eq(self, other)
+    def ne(self, other): return ne(self, other)
+    def lt(self, other): return lt(self, other)
+    def le(self, other): return le(self, other)
+    def gt(self, other): return gt(self, other)
+    def ge(self, other): return ge(self, other)
+    def logical_not(self): return logical_not(self)
+    def isnan(self): return isnan(self)
+    def all(self): return Tensor._wrap(np.asarray(self._data.all()))
+    def any(self): return Tensor._wrap(np.asarray(self._data.any()))
+    def maximum(self, other): return maximum(self, other)
+    def minimum(self, other): return minimum(self, other)
+    def where(self, condition, other): return where(condition, self, other)
+
+
+class _HookHandle:
+    def __init__(self, lst, hook):
+        self._lst = lst
+        self._hook = hook
+
+    def remove(self):
+        try:
+            self._lst.remove(self._hook)
+        except ValueError:
+            pass
+
+
+class Parameter(Tensor):
+    """A tensor that a Module registers as a parameter (requires grad by default)."""
+
+    def __init__(self, data=None, requires_grad=True):
+        if data is None:
+            data = np.zeros(0, dtype=float32)
+        Tensor.__init__(self, data._data if isinstance(data, Tensor) else data, requires_grad)
+
+    def __repr__(self):
+        return "Parameter containing:\n" + Tensor.__repr__(self)
+
+
+# -- creation -----------------------------------------------------------------
+
+cdef object _to_array(object data, object dtype):
+    """Python data or an array as a numpy array; Python floats become float32,
+    Python ints int64 (as in torch); a numpy array keeps its dtype."""
+    if isinstance(data, Tensor):
+        a = (<Tensor>data)._data
+    elif isinstance(data, np.ndarray):
+        a = data
+    elif isinstance(data, bool):
+        a = np.array(data, dtype=bool_)
+    elif isinstance(data, int):
+        a = np.array(data, dtype=int64)
+    elif isinstance(data, float):
+        a = np.array(data, dtype=float32)
+    elif isinstance(data, np.generic):
+        a = np.asarray(data)
+    else:
+        if isinstance(data, (list, tuple)) and any(isinstance(x, Tensor) for x in data):
+            data = [x._data if isinstance(x, Tensor) else x for x in data]
+        a = np.asarray(data)
+        if a.dtype == float64:
+            a = a.astype(float32)
+        elif a.dtype.kind == "i":
+            a = a.astype(int64)
+        elif a.dtype.kind not in "fb":
+            raise TypeError(f"cannot make a tensor from {type(data).__name__} with dtype {a.dtype}")
+    if dtype is not None and a.dtype != dtype:
+        a = a.astype(dtype)
+    return a
+
+
+def tensor(data, dtype=None, requires_grad=False):
+    """A new tensor holding a copy of `data` (a list, scalar, numpy array or tensor)."""
+    a = _to_array(data, as_dtype(dtype))
+    if isinstance(data, (np.ndarray, Tensor)) and (a is data or isinstance(data, Tensor) and a is (<Tensor>data)._data):
+        a = a.copy()
+    cdef Tensor t = Tensor._wrap(np.ascontiguousarray(a))
+    if requires_grad:
+        t.requires_grad = True
+    return t
+
+
+def from_numpy(array):
+    """A tensor sharing memory with a numpy array."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"from_numpy expects a numpy.ndarray, got {type(array).__name__}")
+    return Tensor._wrap(array)
+
+
+def _shape_arg(shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    out = []
+    for s in shape:
+        if isinstance(s, Tensor):
+            s = int(s)
+        if not isinstance(s, (int, np.integer)):
+            raise TypeError(f"sizes must be integers, got {s!r}")
+        if s < 0:
+            raise ValueError(f"negative dimension {s} in size {tuple(shape)}")
+        out.append(int(s))
+    return tuple(out)
+
+
+cdef Tensor _new(object array, bint requires_grad):
+    cdef Tensor t = Tensor._wrap(array)
+    if requires_grad:
+        t.requires_grad = True
+    return t
+
+
+def zeros(*shape, dtype=None, requires_grad=False):
+    return _new(np.zeros(_shape_arg(shape), dtype=as_dtype(dtype) or float32), requires_grad)
+
+
+def ones(*shape, dtype=None, requires_grad=False):
+    return _new(np.ones(_shape_arg(shape), dtype=as_dtype(dtype) or float32), requires_grad)
+
+
+def empty(*shape, dtype=None, requires_grad=False):
+    return _new(np.empty(_shape_arg(shape), dtype=as_dtype(dtype) or float32), requires_grad)
+
+
+def full(shape, fill_value, dtype=None, requires_grad=False):
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    if dtype is None:
+        dtype = bool_ if isinstance(fill_value, bool) else int64 if isinstance(fill_value, int) else float32
+    return _new(np.full(_shape_arg(tuple(shape)), fill_value, dtype=as_dtype(dtype)), requires_grad)
+
+
+def zeros_like(t, dtype=None, requires_grad=False):
+    return _new(np.zeros(t.shape, dtype=as_dtype(dtype) or t.dtype), requires_grad)
+
+
+def ones_like(t, dtype=None, requires_grad=False):
+    return _new(np.ones(t.shape, dtype=as_dtype(dtype) or t.dtype), requires_grad)
+
+
+def full_like(t, fill_value, dtype=None, requires_grad=False):
+    return _new(np.full(t.shape, fill_value, dtype=as_dtype(dtype) or t.dtype), requires_grad)
+
+
+def arange(start, stop=None, step=1, dtype=None, requires_grad=False):
+    if stop is None:
+        start, stop = 0, start
+    if step == 0:
+        raise ValueError("arange: step must be nonzero")
+    if dtype is None:
+        ints = all(isinstance(v, (int, np.integer)) for v in (start, stop, step))
+        dtype = int64 if ints else float32
+    return _new(np.arange(start, stop, step, dtype=as_dtype(dtype)), requires_grad)
+
+
+def linspace(start, end, steps, dtype=None, requires_grad=False):
+    return _new(np.linspace(start, end, steps, dtype=as_dtype(dtype) or float32), requires_grad)
+
+
+# -- random numbers: one generator, reseeded by manual_seed ------------------
+
+cdef object _rng = np.random.default_rng()
+
+
+def manual_seed(seed):
+    """Make randn / rand / randint / dropout / init reproducible."""
+    global _rng
+    _rng = np.random.Generator(np.random.PCG64(int(seed)))
+    return _rng
+
+
+def default_generator():
+    """The numpy Generator behind microtensor's random functions."""
+    return _rng
+
+
+def get_rng_state():
+    """The generator's state as a JSON string (store it in a checkpoint's metadata)."""
+    import json
+    return json.dumps(_rng.bit_generator.state)
+
+
+def set_rng_state(state):
+    import json
+    global _rng
+    st = json.loads(state) if isinstance(state, (str, bytes)) else state
+    bg = getattr(np.random, st["bit_generator"])()
+    bg.state = st
+    _rng = np.random.Generator(bg)
+
+
+def randn(*shape, dtype=None, requires_grad=False):
+    dt = as_dtype(dtype) or float32
+    return _new(_rng.standard_normal(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
+
+
+def rand(*shape, dtype=None, requires_grad=False):
+    dt = as_dtype(dtype) or float32
+    return _new(_rng.random(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
+
+
+def randint(low, high=None, size=None, dtype=None):
+    if size is None and isinstance(high, (tuple, list)):
+        low, high, size = 0, low, high
+    if high is None:
+        raise TypeError("randint(low, high, size) needs high")
+    if high <= low:
+        raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
+    if isinstance(size, (int, np.integer)):
+        size = (size,)
+    return _new(_rng.integers(low, high, _shape_arg(tuple(size)), dtype=as_dtype(dtype) or int64), False)
+
+
+def randperm(n, dtype=None):
+    return _new(_rng.permutation(int(n)).astype(as_dtype(dtype) or int64), False)
+
+
+def multinomial(probs, num_samples=1):
+    """Draw indices from each row of `probs` (rows need not sum to 1)."""
+    p = probs._data if isinstance(probs, Tensor) else np.asarray(probs)
+    p2 = np.atleast_2d(p).astype(np.float64)
+    if (p2 < 0).any() or not np.isfinite(p2).all():
+        raise ValueError("multinomial: probabilities must be finite and non-negative")
+    s = p2.sum(-1, keepdims=True)
+    if (s <= 0).any():
+        raise ValueError("multinomial: each row needs a positive sum")
+    c = np.cumsum(p2 / s, axis=-1)
+    u = _rng.random((p2.shape[0], num_samples))
+    idx = np.empty((p2.shape[0], num_samples), dtype=int64)
+    for r in range(p2.shape[0]):
+        idx[r] = np.minimum(np.searchsorted(c[r], u[r], side="right"), p2.shape[1] - 1)
+    return Tensor._wrap(idx if p.ndim == 2 else idx[0])
