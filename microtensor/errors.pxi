@@ -37,3 +37,11 @@ cdef inline Tensor _t(object x):
     if isinstance(x, Tensor):
         return <Tensor>x
     raise TypeError(f"expected a microtensor Tensor, got {type(x).__name__}")
+
+
+cdef inline object _contig(object a):
+    """A C-contiguous array (no copy when it already is); unlike
+    np.ascontiguousarray, a 0-d array stays 0-d."""
+    if a.flags.c_contiguous:
+        return a
+    return np.array(a, order="C", copy=True)

@@ -222,7 +222,7 @@ cdef inline object _float_data(Tensor t):
 
 
 cdef inline object _flat(object a):
-    return np.ascontiguousarray(a).reshape(-1)
+    return _contig(a).reshape(-1)
 
 
 cdef class UnaryBackward(Node):
@@ -287,7 +287,7 @@ def tanh(x):
 def sigmoid(x):
     """y = 1 / (1 + e^-x);  dx = g * y * (1 - y)"""
     cdef Tensor t = _t(x)
-    d = np.ascontiguousarray(_float_data(t))
+    d = _contig(_float_data(t))
     out = np.empty_like(d)
     sigmoid_forward(out.reshape(-1), d.reshape(-1))
     return _unary_result(t, out, sigmoid_backward, out)
@@ -299,7 +299,7 @@ def relu(x):
     d = t._data
     if d.dtype.kind != "f":
         return Tensor._wrap(np.maximum(d, 0))
-    d = np.ascontiguousarray(d)
+    d = _contig(d)
     out = np.empty_like(d)
     relu_forward(out.reshape(-1), d.reshape(-1))
     return _unary_result(t, out, relu_backward, d)

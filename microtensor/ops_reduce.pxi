@@ -172,7 +172,7 @@ cdef class MaxDimBackward(Node):
 
 cdef tuple _max_along(object d, int dim, bint keepdim):
     """values, indices of the maximum along one dim (Cython kernel over rows)."""
-    moved = np.ascontiguousarray(np.moveaxis(d, dim, -1))
+    moved = _contig(np.moveaxis(d, dim, -1))
     lead = moved.shape[:-1]
     rows = moved.reshape(-1, moved.shape[-1])
     if d.dtype.kind == "f":
@@ -267,8 +267,8 @@ cdef class SoftmaxBackward(Node):
     cdef int dim
     cpdef tuple backward(self, g):
         y = np.moveaxis(self.out, self.dim, -1)
-        gy = np.ascontiguousarray(np.moveaxis(g, self.dim, -1))
-        yc = np.ascontiguousarray(y)
+        gy = _contig(np.moveaxis(g, self.dim, -1))
+        yc = _contig(y)
         dinp = np.empty_like(yc)
         n = yc.shape[-1]
         softmax_backward(dinp.reshape(-1, n), gy.reshape(-1, n), yc.reshape(-1, n))
@@ -283,8 +283,8 @@ cdef class LogSoftmaxBackward(Node):
     cdef object out
     cdef int dim
     cpdef tuple backward(self, g):
-        yc = np.ascontiguousarray(np.moveaxis(self.out, self.dim, -1))
-        gy = np.ascontiguousarray(np.moveaxis(g, self.dim, -1))
+        yc = _contig(np.moveaxis(self.out, self.dim, -1))
+        gy = _contig(np.moveaxis(g, self.dim, -1))
         dinp = np.empty_like(yc)
         n = yc.shape[-1]
         log_softmax_backward(dinp.reshape(-1, n), gy.reshape(-1, n), yc.reshape(-1, n))
@@ -305,7 +305,7 @@ cdef Tensor _softmax_like(object x, object dim, bint log):
     if d.ndim == 0:
         out = np.zeros_like(d) if log else np.ones_like(d)
     else:
-        xc = np.ascontiguousarray(np.moveaxis(d, ax, -1))
+        xc = _contig(np.moveaxis(d, ax, -1))
         outc = np.empty_like(xc)
         n = xc.shape[-1]
         if xc.size:

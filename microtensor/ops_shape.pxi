@@ -169,7 +169,7 @@ def contiguous(x):
     cdef Tensor t = _t(x)
     if t._data.flags.c_contiguous:
         return t
-    cdef Tensor res = Tensor._wrap(np.ascontiguousarray(t._data))
+    cdef Tensor res = Tensor._wrap(_contig(t._data))
     cdef ReshapeBackward node
     if _grad_enabled and t._requires_grad:
         node = ReshapeBackward.__new__(ReshapeBackward)
@@ -346,7 +346,7 @@ cdef class IndexBackward(Node):
             # the common gather of rows: a Cython scatter-add kernel
             idx = np.where(key < 0, key + self.shape[0], key)
             rows = dinp.reshape(self.shape[0], -1)
-            scatter_add_rows(rows, idx, np.ascontiguousarray(g).reshape(len(idx), -1))
+            scatter_add_rows(rows, idx, _contig(g).reshape(len(idx), -1))
         else:
             np.add.at(dinp, key, g)
         return (dinp,)

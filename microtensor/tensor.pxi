@@ -541,7 +541,7 @@ def tensor(data, dtype=None, requires_grad=False):
     a = _to_array(data, as_dtype(dtype))
     if isinstance(data, (np.ndarray, Tensor)) and (a is data or isinstance(data, Tensor) and a is (<Tensor>data)._data):
         a = a.copy()
-    cdef Tensor t = Tensor._wrap(np.ascontiguousarray(a))
+    cdef Tensor t = Tensor._wrap(_contig(a))
     if requires_grad:
         t.requires_grad = True
     return t
