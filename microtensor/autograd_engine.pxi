@@ -9,6 +9,14 @@ import traceback as _traceback
 
 cdef bint _grad_enabled = True
 cdef bint _anomaly_enabled = False
+cdef object _backward_profiler = None   # set by microtensor.profiler while profiling
+
+
+def set_backward_profiler(fn):
+    """While `fn` is set, the engine calls fn(node, grad) instead of node.backward(grad)
+    (fn must call node.backward itself); pass None to switch it off."""
+    global _backward_profiler
+    _backward_profiler = fn
 
 
 cdef class Node:
@@ -302,7 +310,10 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                 f"Trying to backward through the graph a second time (at {node.name()}), "
                 "but the saved intermediate values have already been freed. Specify "
                 "retain_graph=True when calling .backward() or autograd.grad() the first time.")
-        grads = node.backward(g)
+        if _backward_profiler is None:
+            grads = node.backward(g)
+        else:
+            grads = _backward_profiler(node, g)
         if _anomaly_enabled:
             _check_anomaly(node, grads)
         if not retain_graph:

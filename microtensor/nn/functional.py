@@ -1,1 +1,671 @@
-"""mt.nn.functional (placeholder: filled in by the nn work)."""
+"""mt.nn.functional: the stateless layers of a Transformer, in PyTorch's dialect.
+
+    import microtensor.nn.functional as F
+    logits = F.linear(x, W, b)
+    loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+Each fused op (linear, gelu, silu, layer_norm, rms_norm, cross_entropy, embedding,
+dropout, scaled_dot_product_attention) is one graph node: the forward function sits
+right above its Backward node, which states the math in its first docstring line.
+"""
+import math
+
+import numpy as np
+from scipy.special import erf as _erf
+
+import microtensor._core as _core
+from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+
+__all__ = [
+    "linear", "relu", "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax",
+    "cross_entropy", "nll_loss", "mse_loss", "layer_norm", "rms_norm", "embedding",
+    "dropout", "scaled_dot_product_attention",
+]
+
+
+# ---- small helpers -----------------------------------------------------------------
+
+def _tensor(x, what):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{what} must be a microtensor Tensor, got {type(x).__name__}")
+    return x
+
+
+def _float_array(x, what):
+    """The float32/float64 array behind a tensor argument, or TypeError."""
+    d = _tensor(x, what)._data
+    if d.dtype != np.float32 and d.dtype != np.float64:
+        raise TypeError(f"{what} must be a floating tensor (float32 or float64), got {d.dtype}")
+    return d
+
+
+def _same_dtype(op, **arrays):
+    """All given arrays share one float dtype (torch refuses to mix them too)."""
+    items = [(k, a) for k, a in arrays.items() if a is not None]
+    dt = items[0][1].dtype
+    for k, a in items[1:]:
+        if a.dtype != dt:
+            names = ", ".join(f"{k}: {a.dtype}" for k, a in items)
+            raise TypeError(f"{op}: expected all tensors to have the same dtype, got {names}")
+
+
+def _contig(a):
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _wants_grad(node, i):
+    t = node.inputs[i]
+    return t is not None and t.requires_grad
+
+
+def _check_reduction(reduction):
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _unbroadcast(g, shape):
+    """Sum g down to `shape` (undo numpy broadcasting)."""
+    if g.shape == tuple(shape):
+        return g
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g
+
+
+# ---- activations -----------------------------------------------------------------
+
+def relu(x, inplace=False):
+    """y = max(x, 0)"""
+    return _core.relu(x)
+
+
+def sigmoid(x):
+    """y = 1 / (1 + e^-x)"""
+    return _core.sigmoid(x)
+
+
+def tanh(x):
+    """y = tanh(x)"""
+    return _core.tanh(x)
+
+
+def softmax(x, dim=None, dtype=None):
+    """y = exp(x) / sum(exp(x)) along dim"""
+    if dtype is not None:
+        x = x.to(dtype)
+    return _core.softmax(x, dim)
+
+
+def log_softmax(x, dim=None, dtype=None):
+    """y = x - logsumexp(x) along dim"""
+    if dtype is not None:
+        x = x.to(dtype)
+    return _core.log_softmax(x, dim)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_C = 0.044715
+
+
+class GeluBackward(Node):
+    """y = x * Phi(x);  dx = g * (Phi(x) + x * phi(x))   (tanh form: see gelu_tanh)"""
+
+    def backward(self, g):
+        x = self.x
+        if self.approximate == "tanh":
+            u = _SQRT_2_OVER_PI * (x + _GELU_C * x ** 3)
+            t = np.tanh(u)
+            d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_C * x * x)
+        else:
+            d = 0.5 * (1 + _erf(x * _INV_SQRT_2)) + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x)
+        return (g * d.astype(x.dtype, copy=False),)
+
+
+def gelu(x, approximate="none"):
+    """y = x * Phi(x) (exact, erf) or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    d = _float_array(x, "gelu input")
+    if approximate == "tanh":
+        out = 0.5 * d * (1 + np.tanh(_SQRT_2_OVER_PI * (d + _GELU_C * d ** 3)))
+    else:
+        out = 0.5 * d * (1 + _erf(d * _INV_SQRT_2))
+    out = wrap(out.astype(d.dtype, copy=False))
+    if needs_graph((x,)):
+        node = GeluBackward()
+        node.x, node.approximate = d, approximate
+        attach(out, node, (x,))
+    return out
+
+
+class SiluBackward(Node):
+    """y = x * s(x);  dx = g * s * (1 + x * (1 - s))"""
+
+    def backward(self, g):
+        x = self.x
+        s = 1 / (1 + np.exp(-x))
+        return (g * (s * (1 + x * (1 - s))),)
+
+
+def silu(x, inplace=False):
+    """y = x * sigmoid(x)"""
+    d = _float_array(x, "silu input")
+    with np.errstate(over="ignore"):
+        out = d / (1 + np.exp(-d))
+    out = wrap(out)
+    if needs_graph((x,)):
+        node = SiluBackward()
+        node.x = d
+        attach(out, node, (x,))
+    return out
+
+
+# ---- linear ----------------------------------------------------------------------
+
+class LinearBackward(Node):
+    """y = x @ W^T + b;  dx = g @ W,  dW = g^T @ x,  db = sum_rows(g)"""
+
+    def backward(self, g):
+        x2d, w = self.x2d, self.weight                  # (M, in), (out, in)
+        g2d = g.reshape(-1, w.shape[0])                 # (M, out); a view when g is contiguous
+        dx = dw = db = None
+        if _wants_grad(self, 0):
+            dx = (g2d @ w).reshape(self.x_shape)        # BLAS: no transpose needed
+        if _wants_grad(self, 1):
+            dw = g2d.T @ x2d                            # NOTE: .T is a view, BLAS reads it as 'T'
+        if len(self.inputs) > 2 and _wants_grad(self, 2):
+            db = g2d.sum(axis=0)
+        return (dx, dw, db)
+
+
+def linear(input, weight, bias=None):
+    """y = x @ W^T + b   (x (..., in), W (out, in), b (out,))"""
+    x = _float_array(input, "linear input")
+    w = _float_array(weight, "linear weight")
+    b = None if bias is None else _float_array(bias, "linear bias")
+    _same_dtype("linear", input=x, weight=w, bias=b)
+    if w.ndim != 2:
+        raise ShapeError(f"linear: weight must be 2-D (out_features, in_features), got shape {w.shape}")
+    if x.ndim == 0 or x.shape[-1] != w.shape[1]:
+        raise ShapeError(f"linear: input shape {x.shape} and weight shape {w.shape} do not fit "
+                         f"(input's last dim must equal in_features = {w.shape[1]})")
+    if b is not None and b.shape != (w.shape[0],):
+        raise ShapeError(f"linear: bias shape {b.shape} does not fit weight shape {w.shape} "
+                         f"(expected ({w.shape[0]},))")
+    x2d = x.reshape(-1, w.shape[1])                     # (M, in); a view when x is contiguous
+    out2d = x2d @ w.T                                   # (M, out)
+    if b is not None:
+        out2d += b
+    out = wrap(out2d.reshape(x.shape[:-1] + (w.shape[0],)))
+    inputs = (input, weight) if bias is None else (input, weight, bias)
+    if needs_graph(inputs):
+        node = LinearBackward()
+        node.x2d, node.weight, node.x_shape = x2d, w, x.shape
+        attach(out, node, inputs)
+    return out
+
+
+# ---- normalisation ---------------------------------------------------------------
+
+def _norm_rows(x, normalized_shape, op):
+    if isinstance(normalized_shape, (int, np.integer)):
+        normalized_shape = (int(normalized_shape),)
+    normalized_shape = tuple(int(s) for s in normalized_shape)
+    k = len(normalized_shape)
+    if k == 0 or x.ndim < k or x.shape[x.ndim - k:] != normalized_shape:
+        raise ShapeError(f"{op}: input shape {x.shape} does not end with normalized_shape "
+                         f"{normalized_shape}")
+    n = int(np.prod(normalized_shape))
+    return normalized_shape, n
+
+
+def _check_affine(p, normalized_shape, op, what):
+    if p is not None and p.shape != normalized_shape:
+        raise ShapeError(f"{op}: {what} shape {p.shape} does not match normalized_shape "
+                         f"{normalized_shape}")
+
+
+class LayerNormBackward(Node):
+    """y = (x - mean) * rstd * w + b;
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = g * w,
+    dw = sum_rows(g * xhat),  db = sum_rows(g)"""
+
+    def backward(self, g):
+        n = self.n
+        g2 = _contig(g).reshape(-1, n)
+        xhat = (self.x2 - self.mean) * self.rstd
+        w = self.weight
+        dxhat = g2 if w is None else g2 * w.reshape(-1)
+        dx = dw = db = None
+        if _wants_grad(self, 0):
+            dx = self.rstd * (dxhat - dxhat.mean(-1, keepdims=True)
+                              - xhat * (dxhat * xhat).mean(-1, keepdims=True))
+            dx = dx.reshape(self.x_shape)
+        if _wants_grad(self, 1):
+            dw = (g2 * xhat).sum(0).reshape(w.shape)
+        if _wants_grad(self, 2):
+            db = g2.sum(0).reshape(self.normalized_shape)
+        return (dx, dw, db)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * w + b   over the last len(normalized_shape) dims"""
+    x = _float_array(input, "layer_norm input")
+    w = None if weight is None else _float_array(weight, "layer_norm weight")
+    b = None if bias is None else _float_array(bias, "layer_norm bias")
+    _same_dtype("layer_norm", input=x, weight=w, bias=b)
+    normalized_shape, n = _norm_rows(x, normalized_shape, "layer_norm")
+    _check_affine(w, normalized_shape, "layer_norm", "weight")
+    _check_affine(b, normalized_shape, "layer_norm", "bias")
+    x2 = _contig(x).reshape(-1, n)
+    mean = x2.mean(-1, keepdims=True)
+    var = ((x2 - mean) ** 2).mean(-1, keepdims=True)
+    rstd = 1 / np.sqrt(var + eps)
+    y = (x2 - mean) * rstd
+    if w is not None:
+        y = y * w.reshape(-1)
+    if b is not None:
+        y = y + b.reshape(-1)
+    out = wrap(y.astype(x.dtype, copy=False).reshape(x.shape))
+    inputs = (input, weight, bias)
+    if needs_graph(inputs):
+        node = LayerNormBackward()
+        node.x2, node.mean, node.rstd, node.weight = x2, mean, rstd, w
+        node.n, node.x_shape, node.normalized_shape = n, x.shape, normalized_shape
+        attach(out, node, inputs)
+    return out
+
+
+class RMSNormBackward(Node):
+    """y = x * rstd * w,  rstd = 1/sqrt(mean(x^2) + eps);
+    dx = rstd * (dxhat - xhat * mean(dxhat * xhat)),  dxhat = g * w,  dw = sum_rows(g * xhat)"""
+
+    def backward(self, g):
+        n = self.n
+        g2 = _contig(g).reshape(-1, n)
+        xhat = self.x2 * self.rstd
+        w = self.weight
+        dxhat = g2 if w is None else g2 * w.reshape(-1)
+        dx = dw = None
+        if _wants_grad(self, 0):
+            dx = self.rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdims=True))
+            dx = dx.reshape(self.x_shape)
+        if _wants_grad(self, 1):
+            dw = (g2 * xhat).sum(0).reshape(w.shape)
+        return (dx, dw)
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """y = x / sqrt(mean(x^2) + eps) * w   (eps=None: the dtype's machine epsilon, as torch)"""
+    x = _float_array(input, "rms_norm input")
+    w = None if weight is None else _float_array(weight, "rms_norm weight")
+    _same_dtype("rms_norm", input=x, weight=w)
+    normalized_shape, n = _norm_rows(x, normalized_shape, "rms_norm")
+    _check_affine(w, normalized_shape, "rms_norm", "weight")
+    if eps is None:
+        eps = float(np.finfo(x.dtype).eps)
+    x2 = _contig(x).reshape(-1, n)
+    rstd = 1 / np.sqrt((x2 * x2).mean(-1, keepdims=True) + eps)
+    y = x2 * rstd
+    if w is not None:
+        y = y * w.reshape(-1)
+    out = wrap(y.astype(x.dtype, copy=False).reshape(x.shape))
+    inputs = (input, weight)
+    if needs_graph(inputs):
+        node = RMSNormBackward()
+        node.x2, node.rstd, node.weight = x2, rstd, w
+        node.n, node.x_shape = n, x.shape
+        attach(out, node, inputs)
+    return out
+
+
+# ---- losses ----------------------------------------------------------------------
+
+def _ce_rows(x, t, op):
+    """Logits and targets as (M, C) rows and (M,) targets, following torch's layouts:
+    (C,) with (); (N, C) with (N,); (N, C, d1, ...) with (N, d1, ...) (class dim second).
+    Also accepted: (..., C) with (...) (class dim last, e.g. (B, T, V) with (B, T));
+    when both readings fit, torch's (class dim second) wins. Returns (rows, targets,
+    out_shape, how) where `how` says how to map row gradients back."""
+    if x.ndim == 0:
+        raise ShapeError(f"{op}: input must have a class dimension, got shape {x.shape}")
+    if x.ndim == 1:
+        if t.shape != ():
+            raise ShapeError(f"{op}: input shape {x.shape} needs a 0-d target, got target "
+                             f"shape {t.shape}")
+        return x.reshape(1, -1), t.reshape(1), (), "last"
+    if x.ndim == 2 or t.shape == (x.shape[0],) + x.shape[2:]:
+        if t.shape != (x.shape[0],) + x.shape[2:]:
+            raise ShapeError(f"{op}: input shape {x.shape} and target shape {t.shape} do not "
+                             f"fit (expected target shape {(x.shape[0],) + x.shape[2:]})")
+        if x.ndim == 2:
+            return x, t, t.shape, "last"
+        rows = np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])
+        return rows, t.reshape(-1), t.shape, "second"
+    if t.shape == x.shape[:-1]:
+        return x.reshape(-1, x.shape[-1]), t.reshape(-1), t.shape, "last"
+    raise ShapeError(f"{op}: input shape {x.shape} and target shape {t.shape} do not fit "
+                     f"(expected target shape {(x.shape[0],) + x.shape[2:]}, class dim second, "
+                     f"or {x.shape[:-1]}, class dim last)")
+
+
+class CrossEntropyBackward(Node):
+    """loss_i = logsumexp(x_i) - x_i[t_i];  dx_i = g_i * (softmax(x_i) - onehot(t_i)),
+    g_i = 0 on ignored rows, divided by the number of counted rows for 'mean'"""
+
+    def backward(self, g):
+        rows, tgt, keep = self.rows, self.tgt, self.keep
+        M, C = rows.shape
+        if self.reduction == "none":
+            grow = np.zeros(M, dtype=rows.dtype)
+            grow[:] = np.asarray(g).reshape(-1)
+        else:
+            scale = float(g) / (self.count if self.reduction == "mean" else 1.0)
+            grow = np.full(M, scale, dtype=rows.dtype)
+        grow = grow * keep
+        p = np.exp(rows - self.lse[:, None])
+        if self.label_smoothing:
+            eps = self.label_smoothing
+            p -= eps / C
+            p[np.arange(M), np.where(keep, tgt, 0)] -= (1 - eps)
+        else:
+            p[np.arange(M), np.where(keep, tgt, 0)] -= 1
+        d = p * grow[:, None]
+        if self.how == "second":
+            x_shape = self.x_shape
+            d = np.moveaxis(d.reshape((x_shape[0],) + x_shape[2:] + (x_shape[1],)), -1, 1)
+        return (d.reshape(self.x_shape), None)
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
+                  label_smoothing=0.0):
+    """loss = -log softmax(x)[target], averaged over targets that are not ignore_index"""
+    x = _float_array(input, "cross_entropy input")
+    if weight is not None:
+        raise NotImplementedError("cross_entropy: class weights are not supported")
+    _check_reduction(reduction)
+    if not (0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    t = target._data if isinstance(target, Tensor) else np.asarray(target)
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: target must be an integer (int64) tensor of class "
+                        f"indices, got dtype {t.dtype}")
+    rows, tgt, out_shape, how = _ce_rows(x, t, "cross_entropy")
+    rows = _contig(rows)
+    tgt = tgt.astype(np.int64, copy=False)
+    M, C = rows.shape
+    keep = tgt != ignore_index
+    bad = keep & ((tgt < 0) | (tgt >= C))
+    if bad.any():
+        v = int(tgt[np.argmax(bad)])
+        raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
+                         f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
+    m = rows.max(-1, initial=-np.inf) if C else np.zeros(M, rows.dtype)
+    lse = m + np.log(np.exp(rows - m[:, None]).sum(-1))
+    picked = rows[np.arange(M), np.where(keep, tgt, 0)]
+    loss_rows = lse - picked
+    if label_smoothing:
+        loss_rows = (1 - label_smoothing) * loss_rows + label_smoothing * (lse - rows.mean(-1))
+    loss_rows = np.where(keep, loss_rows, 0).astype(x.dtype)
+    count = int(keep.sum())
+    if reduction == "none":
+        out = loss_rows.reshape(out_shape)
+    elif reduction == "sum":
+        out = np.asarray(loss_rows.sum(dtype=np.float64), dtype=x.dtype)
+    else:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = np.asarray(loss_rows.sum(dtype=np.float64) / count, dtype=x.dtype)
+    out = wrap(out)
+    if needs_graph((input,)):
+        node = CrossEntropyBackward()
+        node.rows, node.tgt, node.keep, node.lse = rows, tgt, keep, lse
+        node.reduction, node.count, node.how, node.x_shape = reduction, count, how, x.shape
+        node.label_smoothing = float(label_smoothing)
+        attach(out, node, (input, None))
+    return out
+
+
+def nll_loss(input, target, ignore_index=-100, reduction="mean"):
+    """loss = -input[target]  (input holds log-probabilities)"""
+    logp = _tensor(input, "nll_loss input")
+    _check_reduction(reduction)
+    t = target._data if isinstance(target, Tensor) else np.asarray(target)
+    if logp.ndim != 2 or t.shape != (logp.shape[0],):
+        raise ShapeError(f"nll_loss: input shape {logp.shape} and target shape {t.shape} do "
+                         "not fit (expected (N, C) and (N,))")
+    C = logp.shape[1]
+    keep = t != ignore_index
+    bad = keep & ((t < 0) | (t >= C))
+    if bad.any():
+        raise IndexError(f"nll_loss: target {int(t[np.argmax(bad)])} is out of bounds for {C} classes")
+    safe = np.where(keep, t, 0).astype(np.int64)
+    picked = logp[np.arange(len(t)), safe] * wrap(keep.astype(logp.dtype))
+    if reduction == "none":
+        return -picked
+    if reduction == "sum":
+        return -picked.sum()
+    return -picked.sum() / float(keep.sum())
+
+
+class MSELossBackward(Node):
+    """loss = reduce((x - y)^2);  dx = 2 (x - y) g / n,  dy = -dx"""
+
+    def backward(self, g):
+        diff = self.diff
+        if self.reduction == "none":
+            d = 2 * diff * g
+        else:
+            scale = 2 * float(g) / (diff.size if self.reduction == "mean" else 1)
+            d = diff * scale
+        d = d.astype(diff.dtype, copy=False)
+        da = _unbroadcast(d, self.a_shape) if _wants_grad(self, 0) else None
+        db = -_unbroadcast(d, self.b_shape) if _wants_grad(self, 1) else None
+        return (da, db)
+
+
+def mse_loss(input, target, reduction="mean"):
+    """loss = mean((input - target)^2)  (or sum, or elementwise with 'none')"""
+    a = _float_array(input, "mse_loss input")
+    b = _float_array(target, "mse_loss target")
+    _check_reduction(reduction)
+    try:
+        diff = a - b
+    except ValueError:
+        raise ShapeError(f"mse_loss: input shape {a.shape} and target shape {b.shape} cannot "
+                         "be broadcast together") from None
+    if reduction == "none":
+        out = diff * diff
+    elif reduction == "sum":
+        out = np.asarray(np.sum(diff * diff), dtype=diff.dtype)
+    else:
+        out = np.asarray(np.mean(diff * diff), dtype=diff.dtype)
+    out = wrap(out)
+    inputs = (input, target)
+    if needs_graph(inputs):
+        node = MSELossBackward()
+        node.diff, node.reduction, node.a_shape, node.b_shape = diff, reduction, a.shape, b.shape
+        attach(out, node, inputs)
+    return out
+
+
+# ---- embedding -------------------------------------------------------------------
+
+class EmbeddingBackward(Node):
+    """y = W[idx];  dW[idx[i]] += g[i]   (repeated ids accumulate)"""
+
+    def backward(self, g):
+        V, D = self.weight_shape
+        dw = np.zeros((V, D), dtype=self.dtype)
+        g2 = _contig(g).reshape(-1, D)
+        np.add.at(dw, self.ids, g2)
+        if self.padding_idx is not None:
+            dw[self.padding_idx] = 0
+        return (None, dw)
+
+
+def embedding(input, weight, padding_idx=None):
+    """y = W[idx]   (idx int64 of any shape, W (num_embeddings, embedding_dim))"""
+    w = _float_array(weight, "embedding weight")
+    idx = input._data if isinstance(input, Tensor) else np.asarray(input)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"embedding: indices must be an integer (int64) tensor, got dtype {idx.dtype}")
+    if w.ndim != 2:
+        raise ShapeError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {w.shape}")
+    V, D = w.shape
+    ids = _contig(idx).reshape(-1).astype(np.int64, copy=False)
+    bad = (ids < 0) | (ids >= V)
+    if bad.any():
+        raise IndexError(f"embedding: index {int(ids[np.argmax(bad)])} is out of range for "
+                         f"num_embeddings={V} (valid: 0 to {V - 1})")
+    if padding_idx is not None:
+        padding_idx = int(padding_idx)
+        if padding_idx < 0:
+            padding_idx += V
+        if not 0 <= padding_idx < V:
+            raise IndexError(f"embedding: padding_idx {padding_idx} is out of range for num_embeddings={V}")
+    out = wrap(w[ids].reshape(idx.shape + (D,)))
+    if needs_graph((weight,)):
+        node = EmbeddingBackward()
+        node.ids, node.weight_shape, node.dtype, node.padding_idx = ids, w.shape, w.dtype, padding_idx
+        attach(out, node, (None, weight))
+    return out
+
+
+# ---- dropout ---------------------------------------------------------------------
+
+class DropoutBackward(Node):
+    """y = x * m / (1 - p);  dx = g * m / (1 - p)   (m: the kept positions)"""
+
+    def backward(self, g):
+        return (g * self.mask,)
+
+
+def dropout(input, p=0.5, training=True, inplace=False):
+    """Zero each element with probability p and scale the rest by 1/(1-p) (training only)."""
+    x = _tensor(input, "dropout input")
+    if not isinstance(p, (int, float, np.floating, np.integer)) or not (0.0 <= p <= 1.0):
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0:
+        return x
+    d = _float_array(x, "dropout input")
+    rng = _core.default_generator()
+    if p == 1:
+        mask = np.zeros(d.shape, dtype=d.dtype)
+    else:
+        mask = (rng.random(d.shape, dtype=np.float32) >= p).astype(d.dtype)
+        mask *= d.dtype.type(1.0 / (1.0 - p))
+    out = wrap(d * mask)
+    if needs_graph((input,)):
+        node = DropoutBackward()
+        node.mask = mask
+        attach(out, node, (input,))
+    return out
+
+
+# ---- attention -------------------------------------------------------------------
+
+def _attention_mask(attn_mask, is_causal, Tq, Tk, dtype):
+    """The mask as an additive float array broadcastable to (..., Tq, Tk), or None."""
+    if is_causal:
+        if attn_mask is not None:
+            raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
+                             "is_causal=True, not both")
+        keep = np.tril(np.ones((Tq, Tk), dtype=bool))
+        return np.where(keep, 0, -np.inf).astype(dtype)
+    if attn_mask is None:
+        return None
+    m = attn_mask._data if isinstance(attn_mask, Tensor) else np.asarray(attn_mask)
+    if m.ndim < 2 and m.ndim != 0:
+        pass
+    try:
+        np.broadcast_shapes(m.shape, (Tq, Tk))
+    except ValueError:
+        raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {m.shape} cannot be "
+                         f"broadcast to the scores' shape (..., {Tq}, {Tk})") from None
+    if m.dtype == np.bool_:
+        return np.where(m, 0, -np.inf).astype(dtype)
+    if m.dtype.kind != "f":
+        raise TypeError(f"scaled_dot_product_attention: attn_mask must be bool (True = attend) "
+                        f"or float (added to the scores), got dtype {m.dtype}")
+    return m.astype(dtype, copy=False)
+
+
+class AttentionBackward(Node):
+    """o = P @ v,  P = softmax(scale * q @ k^T + mask);
+    dv = P^T @ g,  dP = g @ v^T,  dS = P * (dP - rowsum(dP * P)),
+    dq = scale * dS @ k,  dk = scale * dS^T @ q"""
+
+    def backward(self, g):
+        q, k, v, P, Pd = self.q, self.k, self.v, self.P, self.Pd
+        dv = np.matmul(np.swapaxes(Pd, -1, -2), g)
+        dPd = np.matmul(g, np.swapaxes(v, -1, -2))
+        dP = dPd if self.drop is None else dPd * self.drop
+        dS = P * (dP - (dP * P).sum(-1, keepdims=True))
+        dS *= self.scale
+        dq = np.matmul(dS, k)
+        dk = np.matmul(np.swapaxes(dS, -1, -2), q)
+        return (_unbroadcast(dq, self.shapes[0]), _unbroadcast(dk, self.shapes[1]),
+                _unbroadcast(dv, self.shapes[2]))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """o = softmax(q @ k^T * scale + mask) @ v   (q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv))"""
+    q = _float_array(query, "scaled_dot_product_attention query")
+    k = _float_array(key, "scaled_dot_product_attention key")
+    v = _float_array(value, "scaled_dot_product_attention value")
+    _same_dtype("scaled_dot_product_attention", query=q, key=k, value=v)
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise ShapeError(f"scaled_dot_product_attention: query, key and value need at least 2 "
+                         f"dims (..., T, head_dim), got shapes {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ShapeError(f"scaled_dot_product_attention: query {q.shape}, key {k.shape} and value "
+                         f"{v.shape} do not fit (need q and k to share head_dim, k and v to "
+                         "share the sequence length)")
+    try:
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ShapeError(f"scaled_dot_product_attention: batch dims of query {q.shape}, key "
+                         f"{k.shape} and value {v.shape} cannot be broadcast together") from None
+    if not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
+    Tq, hs = q.shape[-2], q.shape[-1]
+    Tk = k.shape[-2]
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    mask = _attention_mask(attn_mask, is_causal, Tq, Tk, q.dtype)
+    S = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(scale)   # (..., Tq, Tk)
+    if mask is not None:
+        try:
+            S = S + mask
+        except ValueError:
+            raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {mask.shape} cannot "
+                             f"be broadcast to the scores' shape {S.shape}") from None
+    m = S.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)          # NOTE: a fully masked row gives zeros, not NaN
+    P = np.exp(S - m)
+    s = P.sum(-1, keepdims=True)
+    P /= np.where(s > 0, s, 1)
+    drop = None
+    Pd = P
+    if dropout_p > 0:
+        rng = _core.default_generator()
+        if dropout_p == 1:
+            drop = np.zeros(P.shape, dtype=P.dtype)
+        else:
+            drop = (rng.random(P.shape, dtype=np.float32) >= dropout_p).astype(P.dtype)
+            drop *= P.dtype.type(1.0 / (1.0 - dropout_p))
+        Pd = P * drop
+    out = wrap(np.matmul(Pd, v).astype(q.dtype, copy=False))
+    inputs = (query, key, value)
+    if needs_graph(inputs):
+        node = AttentionBackward()
+        node.q, node.k, node.v, node.P, node.Pd, node.drop = q, k, v, P, Pd, drop
+        node.scale, node.shapes = q.dtype.type(scale), (q.shape, k.shape, v.shape)
+        attach(out, node, inputs)
+    return out

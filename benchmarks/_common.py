@@ -1,0 +1,249 @@
+"""Helpers shared by the benchmark scripts: threads, timing, statistics, tables,
+machine description, the corpus, and peak-RSS measurement in child processes.
+
+Timing rules used everywhere:
+  * every number is a median over several repetitions;
+  * engines are measured in alternation (A B A B ...) in one process, so a burst of
+    load from another process on this shared machine hits both rather than one;
+  * each repetition runs the callable `number` times and divides, with `number`
+    calibrated so a repetition lasts long enough for the clock to be meaningful.
+"""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # run as `python benchmarks/x.py` from anywhere
+    sys.path.insert(0, ROOT)
+
+DEFAULT_DATA = "/work/shared/data/tinyshakespeare.txt"
+
+
+# ---- optional torch ------------------------------------------------------------
+
+def try_import_torch():
+    """torch, or None when it is not installed (every script then runs microtensor
+    and numpy alone)."""
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
+# ---- threads ---------------------------------------------------------------------
+
+def setup_threads(n, torch=None):
+    """Give every engine the same thread budget: microtensor's kernels, numpy's BLAS
+    (which microtensor's matmuls use), and torch's intra-op pool."""
+    import microtensor as mt
+    from microtensor.threads import set_blas_threads
+    mt.set_num_threads(n)
+    set_blas_threads(n)
+    if torch is not None:
+        torch.set_num_threads(n)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # can only be set before torch's first parallel work
+            pass
+
+
+# ---- timing ----------------------------------------------------------------------
+
+def calibrate(fn, min_time=0.02, max_number=100000):
+    """How many calls of fn make one repetition last at least `min_time` seconds."""
+    number = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        dt = time.perf_counter() - t0
+        if dt >= min_time or number >= max_number:
+            return number
+        # aim a bit past min_time so the next try usually succeeds
+        number = min(max_number, max(number * 2, int(number * 1.2 * min_time / max(dt, 1e-9))))
+
+
+def time_once(fn, number):
+    """Seconds per call of fn over `number` back-to-back calls."""
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number
+
+
+def alternate(fns, repeats=7, min_time=0.02, warmup=2):
+    """Time several callables side by side: {name: [seconds per call] * repeats}.
+
+    `fns` maps an engine name to a zero-argument callable. Each engine is warmed up
+    and calibrated, then the repetitions run in rounds A B C A B C ... .
+    """
+    numbers = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        numbers[name] = calibrate(fn, min_time)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(time_once(fn, numbers[name]))
+    return times
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def quartiles(xs):
+    """(q1, median, q3); with fewer than 4 samples q1/q3 are the min and max."""
+    xs = sorted(xs)
+    if len(xs) < 4:
+        return xs[0], statistics.median(xs), xs[-1]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def summary(xs):
+    """A dict of robust statistics of a list of times (seconds)."""
+    q1, med, q3 = quartiles(xs)
+    return {"median": med, "q1": q1, "q3": q3, "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def fmt_time(s):
+    """A time in the unit that reads best (ns, us, ms, s)."""
+    if s is None:
+        return "n/a"
+    if s < 1e-6:
+        return f"{s * 1e9:.0f} ns"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.3f} s"
+
+
+def fmt_ratio(a, b):
+    if a is None or b is None or b == 0:
+        return "n/a"
+    return f"{a / b:.2f}"
+
+
+# ---- tables ----------------------------------------------------------------------
+
+def table(headers, rows):
+    """A plain text table (also valid Markdown) with right-aligned number columns."""
+    rows = [[("" if c is None else str(c)) for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def emit_json(obj, dest):
+    """Write one JSON line to stdout ('-') or append it to a file."""
+    text = json.dumps(obj, sort_keys=True)
+    if dest in (None, "-"):
+        print(text)
+    else:
+        with open(dest, "a") as f:
+            f.write(text + "\n")
+
+
+# ---- the machine -----------------------------------------------------------------
+
+def machine_info(threads, torch=None):
+    """What the numbers were measured on: CPU model, cores, library versions, the
+    BLAS kernel in use, and the environment variables that change it."""
+    import numpy as np
+    from microtensor.threads import blas_info
+    cpu = platform.processor() or "unknown"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    blas = blas_info()
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__ if torch is not None else None,
+        "blas_corename": blas[0]["corename"] if blas else None,
+        "blas_config": blas[0]["config"] if blas else None,
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+        "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
+    }
+    try:
+        info["loadavg"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def print_machine(info):
+    print(f"# machine: {info['cpu']}, {info['cores']} cores; threads={info['threads']}; "
+          f"numpy {info['numpy']} (BLAS kernel {info['blas_corename']}); "
+          f"torch {info['torch'] or 'not installed'}; "
+          f"OPENBLAS_CORETYPE={info['OPENBLAS_CORETYPE']} OPENBLAS_L2_SIZE={info['OPENBLAS_L2_SIZE']}; "
+          f"load average {tuple(round(x, 2) for x in info.get('loadavg', ()))}")
+
+
+# ---- data ------------------------------------------------------------------------
+
+def load_text(path=None):
+    """The training corpus: `path`, else tinyshakespeare when present, else Python's
+    own documentation text (always installed)."""
+    if path is None and os.path.exists(DEFAULT_DATA):
+        path = DEFAULT_DATA
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    from pydoc_data.topics import topics
+    return "".join(topics.values()), "pydoc_data.topics"
+
+
+# ---- peak memory -----------------------------------------------------------------
+
+def run_child_peak_rss(argv, env=None):
+    """Run a Python child process; return (peak RSS in bytes, its stdout).
+
+    The peak is the kernel's ru_maxrss of that one child, read with wait4, so it
+    covers the whole process (interpreter, libraries, data) and nothing else.
+    """
+    import tempfile
+    with tempfile.TemporaryFile(mode="w+") as errf:
+        # NOTE: stderr goes to a file, not a second pipe: reading two pipes one after
+        # the other can deadlock, and communicate() would reap the child before wait4.
+        proc = subprocess.Popen([sys.executable] + list(argv), stdout=subprocess.PIPE,
+                                stderr=errf, env=env, text=True)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        errf.seek(0)
+        err = errf.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {argv} failed ({proc.returncode}):\n{err[-3000:]}")
+    return usage.ru_maxrss * 1024, out  # Linux reports kilobytes
+
+
+def current_rss():
+    """This process's resident memory now, in bytes (Linux)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None

@@ -1,0 +1,132 @@
+"""Thread counts at run time: microtensor's own kernels and the BLAS under numpy.
+
+microtensor's matmuls go through numpy, so through whatever BLAS numpy was built with
+(usually OpenBLAS, shipped inside the numpy wheel as `scipy_openblas`). That library
+reads OPENBLAS_NUM_THREADS once, when it is loaded; to change it afterwards one calls
+its `openblas_set_num_threads`, which this module finds with ctypes among the shared
+libraries mapped into the process (/proc/self/maps), so no extra dependency is needed.
+
+    from microtensor.threads import set_blas_threads, blas_info
+    set_blas_threads(2)          # every OpenBLAS loaded in this process
+    mt.set_num_threads(2)        # microtensor's own (OpenMP) kernels
+    set_threads(2)               # both at once
+"""
+import ctypes
+import os
+
+import numpy as np  # noqa: F401  (importing numpy is what loads its BLAS)
+
+from microtensor import _core
+
+# The exported names differ by build: the wheels' scipy-openblas prefixes and suffixes
+# them (the 64 is the 64-bit-integer interface), a system OpenBLAS does not.
+_PREFIXES = ("scipy_openblas_", "openblas_")
+_SUFFIXES = ("64_", "")
+
+
+def _mapped_blas_paths():
+    """Paths of the OpenBLAS shared libraries mapped into this process (Linux only)."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 6:
+                    continue
+                path = parts[-1]
+                name = os.path.basename(path).lower()
+                if "openblas" in name and ".so" in name and path not in paths:
+                    paths.append(path)
+    except OSError:  # not Linux: nothing to find
+        pass
+    return paths
+
+
+def _symbol(lib, stem):
+    for prefix in _PREFIXES:
+        for suffix in _SUFFIXES:
+            fn = getattr(lib, f"{prefix}{stem}{suffix}", None)
+            if fn is not None:
+                return fn
+    return None
+
+
+class _Blas:
+    """One loaded OpenBLAS and the few entry points we use."""
+
+    def __init__(self, path):
+        mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 0)
+        # NOTE: RTLD_NOLOAD hands back the copy already mapped (never a second one,
+        # whose thread setting would change nothing numpy uses).
+        self.path = path
+        self.lib = ctypes.CDLL(path, mode=mode)
+        self._set = _symbol(self.lib, "set_num_threads")
+        self._get = _symbol(self.lib, "get_num_threads")
+        self._corename = _symbol(self.lib, "get_corename")
+        self._config = _symbol(self.lib, "get_config")
+        for fn in (self._corename, self._config):
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+        if self._set is not None:
+            self._set.argtypes = [ctypes.c_int]
+            self._set.restype = None
+        if self._get is not None:
+            self._get.restype = ctypes.c_int
+
+    def set_num_threads(self, n):
+        if self._set is not None:
+            self._set(int(n))
+
+    def get_num_threads(self):
+        return self._get() if self._get is not None else None
+
+    def info(self):
+        def text(fn):
+            return fn().decode(errors="replace") if fn is not None else None
+        return {"path": self.path, "num_threads": self.get_num_threads(),
+                "corename": text(self._corename), "config": text(self._config)}
+
+
+_cache = {}
+
+
+def _loaded_blas():
+    libs = []
+    for path in _mapped_blas_paths():
+        if path not in _cache:
+            try:
+                _cache[path] = _Blas(path)
+            except OSError:
+                continue
+        libs.append(_cache[path])
+    return [b for b in libs if b._set is not None]
+
+
+def set_blas_threads(n):
+    """Set the thread count of every OpenBLAS loaded in this process; returns how many
+    libraries were set (0 when none was found, e.g. numpy on another BLAS)."""
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"number of threads must be at least 1, got {n}")
+    libs = _loaded_blas()
+    for b in libs:
+        b.set_num_threads(n)
+    return len(libs)
+
+
+def get_blas_threads():
+    """The thread count of numpy's OpenBLAS (the first one found), or None."""
+    libs = _loaded_blas()
+    return libs[0].get_num_threads() if libs else None
+
+
+def blas_info():
+    """One dict per loaded OpenBLAS: path, num_threads, corename (the kernel that runs,
+    e.g. 'Haswell' or 'SkylakeX' / 'Zen'), and its build config."""
+    return [b.info() for b in _loaded_blas()]
+
+
+def set_threads(n):
+    """Set both microtensor's kernel threads and the BLAS threads to n."""
+    _core.set_num_threads(int(n))
+    set_blas_threads(n)

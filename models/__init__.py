@@ -1,0 +1,23 @@
+"""The Transformer family, built from microtensor layers.
+
+    from models import GPT, GPTConfig
+    model = GPT(GPTConfig.char_small(vocab_size=65))
+    logits, loss = model(idx, targets)          # idx, targets: int64 (B, T)
+    model.generate(idx, max_new_tokens=100, top_k=10)
+
+Files, smallest first: config (GPTConfig), positional (learned, sinusoidal, rotary),
+attention (MultiHeadAttention, KVCache), feedforward (FeedForward), block
+(TransformerBlock), gpt (GPT), encoder (Encoder, Decoder, EncoderDecoder).
+"""
+from models.config import GPTConfig
+from models.positional import (LearnedPositionalEmbedding, SinusoidalPositionalEncoding,
+                               RotaryEmbedding)
+from models.attention import MultiHeadAttention, KVCache
+from models.feedforward import FeedForward
+from models.block import TransformerBlock
+from models.gpt import GPT
+from models.encoder import Encoder, Decoder, EncoderDecoder
+
+__all__ = ["GPT", "GPTConfig", "MultiHeadAttention", "KVCache", "SinusoidalPositionalEncoding",
+           "LearnedPositionalEmbedding", "RotaryEmbedding", "FeedForward", "TransformerBlock",
+           "Encoder", "Decoder", "EncoderDecoder"]
