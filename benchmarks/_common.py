@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,6 +56,48 @@ def setup_threads(n, torch=None):
 
 # ---- timing ----------------------------------------------------------------------
 
+def _helper_threads_cpu_ns():
+    """CPU time (ns) used so far by each thread of this process but the calling one."""
+    me = str(threading.get_native_id())
+    out = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            if tid == me:
+                continue
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    out[tid] = int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass
+    except OSError:
+        pass
+    return out
+
+
+def quiesce(window=0.02, max_wait=0.5):
+    """Wait until no helper thread of this process is burning CPU.
+
+    NOTE: after a call, OpenBLAS's worker threads busy-wait for ~0.1 s (2^28 cycles,
+    OPENBLAS_THREAD_TIMEOUT) before they sleep, and OpenMP workers spin briefly too.
+    On 2 cores, a spinning pool left by one engine slows the next engine several
+    fold, which would bias any side-by-side comparison. So before each timed
+    repetition we wait (at most `max_wait`) until, over a `window`, the other
+    threads used under 10% of it (the kernel updates those counters every ~4 ms, hence
+    the 20 ms window). Inside a repetition nothing is changed: an engine
+    that mixes its own thread pools pays for their contention, as it would in use.
+    Returns the seconds waited.
+    """
+    t0 = time.perf_counter()
+    while True:
+        before = _helper_threads_cpu_ns()
+        time.sleep(window)
+        after = _helper_threads_cpu_ns()
+        busy = sum(after[k] - before.get(k, 0) for k in after) * 1e-9
+        waited = time.perf_counter() - t0
+        if busy < 0.1 * window or waited >= max_wait:
+            return waited
+
+
 def calibrate(fn, min_time=0.02, max_number=100000):
     """How many calls of fn make one repetition last at least `min_time` seconds."""
     number = 1
@@ -77,11 +120,12 @@ def time_once(fn, number):
     return (time.perf_counter() - t0) / number
 
 
-def alternate(fns, repeats=7, min_time=0.02, warmup=2):
+def alternate(fns, repeats=7, min_time=0.02, warmup=2, settle=True):
     """Time several callables side by side: {name: [seconds per call] * repeats}.
 
     `fns` maps an engine name to a zero-argument callable. Each engine is warmed up
-    and calibrated, then the repetitions run in rounds A B C A B C ... .
+    and calibrated, then the repetitions run in rounds A B C A B C ... , each after
+    quiesce() (see there) when `settle`.
     """
     numbers = {}
     for name, fn in fns.items():
@@ -91,6 +135,8 @@ def alternate(fns, repeats=7, min_time=0.02, warmup=2):
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if settle:
+                quiesce()
             times[name].append(time_once(fn, numbers[name]))
     return times
 
@@ -247,3 +293,66 @@ def current_rss():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return None
+
+
+# ---- the model configs and their matmul FLOPs ----------------------------------------
+
+CONFIGS = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=32, batch_size=16),
+    "cpu": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12),
+    "mid": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=12),
+}
+
+
+def matmul_shapes(cfg, vocab_size):
+    """Every matrix product of one training step (forward and backward) of the GPT.
+
+    Each entry: name, count (times per step), batch (None for a 2-D product), m, k, n
+    (the product is (m, k) @ (k, n)), and ta / tb: whether that operand is stored
+    transposed, as it is in the step (a Linear's weight is (out, in), so forward is
+    x @ W^T; dW = g^T @ x reads g transposed).
+
+    Linear (in K, out N) on M = B*T rows:  forward y = x W^T      2*M*K*N
+                                           backward dx = g W      2*M*N*K
+                                                    dW = g^T x    2*N*M*K
+    Attention per layer on B*nh heads:     forward S = q k^T, Y = P v      2 * 2*T*T*hs
+                                           backward dP = dY v^T, dv = P^T dY,
+                                                    dq = dS k,  dk = dS^T q  4 * 2*T*T*hs
+    The causal mask does not shrink the products (the full T x T is computed).
+    """
+    B, T, C = cfg["batch_size"], cfg["block_size"], cfg["n_embd"]
+    L, nh = cfg["n_layer"], cfg["n_head"]
+    M, hs, V = B * T, C // nh, vocab_size
+    shapes = []
+
+    def linear(name, K, N, count):
+        shapes.extend([
+            dict(name=f"{name} fwd x@W^T", count=count, batch=None, m=M, k=K, n=N, ta=False, tb=True),
+            dict(name=f"{name} bwd dx=g@W", count=count, batch=None, m=M, k=N, n=K, ta=False, tb=False),
+            dict(name=f"{name} bwd dW=g^T@x", count=count, batch=None, m=N, k=M, n=K, ta=True, tb=False),
+        ])
+    linear("attn.c_attn", C, 3 * C, L)
+    linear("attn.c_proj", C, C, L)
+    linear("mlp.c_fc", C, 4 * C, L)
+    linear("mlp.c_proj", 4 * C, C, L)
+    linear("lm_head", C, V, 1)
+    bh = B * nh
+    shapes.extend([
+        dict(name="attn fwd q@k^T", count=L, batch=bh, m=T, k=hs, n=T, ta=False, tb=True),
+        dict(name="attn fwd P@v", count=L, batch=bh, m=T, k=T, n=hs, ta=False, tb=False),
+        dict(name="attn bwd dP=dY@v^T", count=L, batch=bh, m=T, k=hs, n=T, ta=False, tb=True),
+        dict(name="attn bwd dv=P^T@dY", count=L, batch=bh, m=T, k=T, n=hs, ta=True, tb=False),
+        dict(name="attn bwd dq=dS@k", count=L, batch=bh, m=T, k=T, n=hs, ta=False, tb=False),
+        dict(name="attn bwd dk=dS^T@q", count=L, batch=bh, m=T, k=T, n=hs, ta=True, tb=False),
+    ])
+    return shapes
+
+
+def shape_flops(s):
+    return 2 * (s["batch"] or 1) * s["m"] * s["k"] * s["n"]
+
+
+def step_flops(cfg, vocab_size):
+    """Matmul FLOPs of one training step, forward + backward:
+    3 * (n_layer * (24*M*C^2 + 4*B*T^2*C) + 2*M*C*V) with M = B*T."""
+    return sum(shape_flops(s) * s["count"] for s in matmul_shapes(cfg, vocab_size))

@@ -62,12 +62,13 @@ MODEL_SHAPES = {
 }
 
 
-def fused_cases(rng, torch):
+def fused_cases(rng, torch, models=tuple(MODEL_SHAPES)):
     """The fused ops of a GPT step, at the shapes they have inside the model."""
     F_mt = getattr(mt.nn, "functional", None)
     F_t = torch.nn.functional if torch is not None else None
     cases = []
-    for model, (B, T, Cd, nh, V) in MODEL_SHAPES.items():
+    for model in models:
+        B, T, Cd, nh, V = MODEL_SHAPES[model]
         hs = Cd // nh
         scores = rng.standard_normal((B, nh, T, T))
         x = rng.standard_normal((B, T, Cd))
@@ -229,6 +230,8 @@ def main(argv=None):
     p.add_argument("--min-time", type=float, default=0.02,
                    help="seconds each repetition lasts at least")
     p.add_argument("--only", choices=["core", "fused"], default=None)
+    p.add_argument("--models", default=",".join(MODEL_SHAPES),
+                   help="model shapes for the fused ops: " + ", ".join(MODEL_SHAPES))
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even if installed")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="also write the results as one JSON line (stdout if no PATH)")
@@ -245,7 +248,7 @@ def main(argv=None):
     if args.only in (None, "core"):
         groups.append(("core ops", core_cases(rng)))
     if args.only in (None, "fused"):
-        groups.append(("fused ops at model shapes", fused_cases(rng, torch)))
+        groups.append(("fused ops at model shapes", fused_cases(rng, torch, args.models.split(","))))
     out = {"machine": info, "repeats": args.repeats, "results": []}
     for title, cases in groups:
         rows, records = run(cases, torch, args.repeats, args.min_time, rng)

@@ -118,27 +118,41 @@ def get_batch(data, block_size, batch_size, rng):
 # -----------------------------------------------------------------------------
 # threads
 
-def set_blas_threads(n):
-    """Best effort: tell numpy's OpenBLAS to use n threads (the env vars only work
-    before numpy is imported). Returns True when it worked."""
+def _openblas_function(name):
+    """A function of the OpenBLAS that numpy loaded (None if not found). numpy's wheels
+    ship it with prefixed, 64-bit-integer symbol names."""
     import ctypes
     try:
         with open("/proc/self/maps") as f:
             libs = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
     except OSError:
-        return False
+        return None
     for lib_path in sorted(libs):
         try:
             lib = ctypes.CDLL(lib_path)
         except OSError:
             continue
-        for symbol in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                       "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(lib, symbol, None)
+        for prefix, suffix in (("scipy_", "64_"), ("scipy_", ""), ("", "64_"), ("", "")):
+            fn = getattr(lib, f"{prefix}openblas_{name}{suffix}", None)
             if fn is not None:
-                fn(ctypes.c_int(n))
-                return True
-    return False
+                return fn
+    return None
+
+
+def set_blas_threads(n):
+    """Best effort: numpy's OpenBLAS uses n threads from now on (the environment
+    variables only count before numpy is imported). Returns True when it worked."""
+    import ctypes
+    fn = _openblas_function("set_num_threads")
+    if fn is not None:
+        fn(ctypes.c_int(n))
+    return fn is not None
+
+
+def get_blas_threads():
+    """OpenBLAS's thread count, or None when it cannot be found."""
+    fn = _openblas_function("get_num_threads")
+    return None if fn is None else int(fn())
 
 
 # -----------------------------------------------------------------------------

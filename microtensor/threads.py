@@ -102,28 +102,36 @@ def _loaded_blas():
     return [b for b in libs if b._set is not None]
 
 
-def set_blas_threads(n):
-    """Set the thread count of every OpenBLAS loaded in this process; returns how many
-    libraries were set (0 when none was found, e.g. numpy on another BLAS)."""
+def set_blas_threads(n, library=None):
+    """Set the thread count of every OpenBLAS loaded in this process (or only of those
+    whose path contains `library`, e.g. "numpy.libs" or "scipy.libs"); returns how many
+    libraries were set (0 when none was found, e.g. numpy on another BLAS).
+
+    NOTE: numpy and scipy each ship their own OpenBLAS; microtensor's matmuls use
+    numpy's, its attention kernel calls scipy's gemm from inside its own threads."""
     n = int(n)
     if n < 1:
         raise ValueError(f"number of threads must be at least 1, got {n}")
-    libs = _loaded_blas()
+    libs = [b for b in _loaded_blas() if library is None or library in b.path]
     for b in libs:
         b.set_num_threads(n)
     return len(libs)
 
 
+def _numpy_first(libs):
+    return sorted(libs, key=lambda b: "numpy" not in b.path)
+
+
 def get_blas_threads():
-    """The thread count of numpy's OpenBLAS (the first one found), or None."""
-    libs = _loaded_blas()
+    """The thread count of numpy's OpenBLAS (else the first one found), or None."""
+    libs = _numpy_first(_loaded_blas())
     return libs[0].get_num_threads() if libs else None
 
 
 def blas_info():
     """One dict per loaded OpenBLAS: path, num_threads, corename (the kernel that runs,
-    e.g. 'Haswell' or 'SkylakeX' / 'Zen'), and its build config."""
-    return [b.info() for b in _loaded_blas()]
+    e.g. 'Haswell' or 'SkylakeX' / 'Zen'), and its build config; numpy's first."""
+    return [b.info() for b in _numpy_first(_loaded_blas())]
 
 
 def set_threads(n):

@@ -130,8 +130,12 @@ class GPT(nn.Module):
         Randomness comes from microtensor's generator, so mt.manual_seed fixes the output.
         """
         check_sampling(temperature, top_k, top_p)
-        self.check_tokens(idx[:, -self.config.block_size:])
+        if not isinstance(idx, mt.Tensor) or idx.ndim != 2:
+            raise TypeError("idx must be an int64 tensor (B, T) of token ids")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         block_size = self.config.block_size
+        self.check_tokens(idx[:, -block_size:])
         caches = [KVCache() for _ in range(self.config.n_layer)]
         tokens = idx.numpy()
         step_input = idx[:, -block_size:]  # the whole (cropped) prompt first

@@ -1,2 +1,26 @@
-"""mt.nn: modules, layers and the functional API."""
+"""mt.nn: modules, layers and the functional API.
+
+    import microtensor.nn as nn
+    import microtensor.nn.functional as F
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = nn.Linear(16, 64)
+            self.c_proj = nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.c_proj(F.gelu(self.c_fc(x)))
+"""
+from microtensor._core import Parameter
 from microtensor.nn import functional
+from microtensor.nn import init
+from microtensor.nn import utils
+from microtensor.nn.module import Module, Sequential, ModuleList, ModuleDict, StateDictError
+from microtensor.nn.layers import (
+    Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU, Tanh, Identity,
+)
+
+__all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "StateDictError",
+           "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU",
+           "Tanh", "Identity", "functional", "init", "utils"]

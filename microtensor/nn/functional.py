@@ -11,10 +11,10 @@ right above its Backward node, which states the math in its first docstring line
 import math
 
 import numpy as np
-from scipy.special import erf as _erf
 
 import microtensor._core as _core
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor import _fused, _fused_attention as _attention
 
 __all__ = [
     "linear", "relu", "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax",
@@ -51,6 +51,22 @@ def _same_dtype(op, **arrays):
 
 def _contig(a):
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _grad_as(g, like):
+    """An upstream gradient as a C-contiguous array of `like`'s shape and dtype (the engine
+    may hand us a broadcast view or another float dtype)."""
+    g = np.asarray(g)
+    if g.dtype != like.dtype or not g.flags.c_contiguous:
+        g = np.ascontiguousarray(g, dtype=like.dtype)
+    return g.reshape(like.shape)
+
+
+_PARALLEL_MIN = 1 << 15   # elements: below this one thread is faster than waking two
+
+
+def _threads(work):
+    return _core.get_num_threads() if work >= _PARALLEL_MIN else 1
 
 
 def _wants_grad(node, i):
@@ -107,40 +123,31 @@ def log_softmax(x, dim=None, dtype=None):
     return _core.log_softmax(x, dim)
 
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_GELU_C = 0.044715
-
-
 class GeluBackward(Node):
-    """y = x * Phi(x);  dx = g * (Phi(x) + x * phi(x))   (tanh form: see gelu_tanh)"""
+    """y = x * Phi(x);  dx = g * (Phi(x) + x * phi(x))   (tanh form: see gelu_tanh_backward)"""
 
     def backward(self, g):
         x = self.x
-        if self.approximate == "tanh":
-            u = _SQRT_2_OVER_PI * (x + _GELU_C * x ** 3)
-            t = np.tanh(u)
-            d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_C * x * x)
-        else:
-            d = 0.5 * (1 + _erf(x * _INV_SQRT_2)) + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x)
-        return (g * d.astype(x.dtype, copy=False),)
+        g = _grad_as(g, x)
+        dinp = np.empty_like(x)
+        kernel = _fused.gelu_tanh_backward if self.approximate == "tanh" else _fused.gelu_backward
+        kernel(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
+        return (dinp,)
 
 
-def gelu(x, approximate="none"):
+def gelu(input, approximate="none"):
     """y = x * Phi(x) (exact, erf) or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    d = _float_array(x, "gelu input")
-    if approximate == "tanh":
-        out = 0.5 * d * (1 + np.tanh(_SQRT_2_OVER_PI * (d + _GELU_C * d ** 3)))
-    else:
-        out = 0.5 * d * (1 + _erf(d * _INV_SQRT_2))
-    out = wrap(out.astype(d.dtype, copy=False))
-    if needs_graph((x,)):
+    x = _contig(_float_array(input, "gelu input"))
+    out = np.empty_like(x)
+    kernel = _fused.gelu_tanh_forward if approximate == "tanh" else _fused.gelu_forward
+    kernel(out.reshape(-1), x.reshape(-1), _threads(x.size))
+    out = wrap(out)
+    if needs_graph((input,)):
         node = GeluBackward()
-        node.x, node.approximate = d, approximate
-        attach(out, node, (x,))
+        node.x, node.approximate = x, approximate
+        attach(out, node, (input,))
     return out
 
 
@@ -149,20 +156,22 @@ class SiluBackward(Node):
 
     def backward(self, g):
         x = self.x
-        s = 1 / (1 + np.exp(-x))
-        return (g * (s * (1 + x * (1 - s))),)
+        g = _grad_as(g, x)
+        dinp = np.empty_like(x)
+        _fused.silu_backward(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
+        return (dinp,)
 
 
-def silu(x, inplace=False):
+def silu(input, inplace=False):
     """y = x * sigmoid(x)"""
-    d = _float_array(x, "silu input")
-    with np.errstate(over="ignore"):
-        out = d / (1 + np.exp(-d))
+    x = _contig(_float_array(input, "silu input"))
+    out = np.empty_like(x)
+    _fused.silu_forward(out.reshape(-1), x.reshape(-1), _threads(x.size))
     out = wrap(out)
-    if needs_graph((x,)):
+    if needs_graph((input,)):
         node = SiluBackward()
-        node.x = d
-        attach(out, node, (x,))
+        node.x = x
+        attach(out, node, (input,))
     return out
 
 
@@ -231,26 +240,30 @@ def _check_affine(p, normalized_shape, op, what):
                          f"{normalized_shape}")
 
 
+def _partials(R, n, dtype):
+    """Per-thread partial sums for dweight / dbias: one row per chunk of input rows."""
+    chunks = _threads(R * n)
+    return np.zeros((chunks, n), dtype=dtype)
+
+
 class LayerNormBackward(Node):
     """y = (x - mean) * rstd * w + b;
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = g * w,
-    dw = sum_rows(g * xhat),  db = sum_rows(g)"""
+    dw = sum_rows(g * xhat),  db = sum_rows(g)     (kernel: layernorm_backward)"""
 
     def backward(self, g):
-        n = self.n
-        g2 = _contig(g).reshape(-1, n)
-        xhat = (self.x2 - self.mean) * self.rstd
-        w = self.weight
-        dxhat = g2 if w is None else g2 * w.reshape(-1)
-        dx = dw = db = None
-        if _wants_grad(self, 0):
-            dx = self.rstd * (dxhat - dxhat.mean(-1, keepdims=True)
-                              - xhat * (dxhat * xhat).mean(-1, keepdims=True))
-            dx = dx.reshape(self.x_shape)
-        if _wants_grad(self, 1):
-            dw = (g2 * xhat).sum(0).reshape(w.shape)
-        if _wants_grad(self, 2):
-            db = g2.sum(0).reshape(self.normalized_shape)
+        x2 = self.x2                                     # (R, n)
+        R, n = x2.shape
+        g2 = _grad_as(g, x2)
+        dinp = np.empty_like(x2)
+        dweight = _partials(R, n, x2.dtype)
+        dbias = np.zeros_like(dweight)
+        if x2.size:
+            _fused.layernorm_backward(dinp, dweight, dbias, g2, x2, self.w1, self.mean,
+                                      self.rstd, dweight.shape[0])
+        dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
+        dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
+        db = dbias.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 2) else None
         return (dx, dw, db)
 
 
@@ -263,21 +276,21 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     normalized_shape, n = _norm_rows(x, normalized_shape, "layer_norm")
     _check_affine(w, normalized_shape, "layer_norm", "weight")
     _check_affine(b, normalized_shape, "layer_norm", "bias")
-    x2 = _contig(x).reshape(-1, n)
-    mean = x2.mean(-1, keepdims=True)
-    var = ((x2 - mean) ** 2).mean(-1, keepdims=True)
-    rstd = 1 / np.sqrt(var + eps)
-    y = (x2 - mean) * rstd
-    if w is not None:
-        y = y * w.reshape(-1)
-    if b is not None:
-        y = y + b.reshape(-1)
-    out = wrap(y.astype(x.dtype, copy=False).reshape(x.shape))
+    x2 = _contig(x).reshape(-1, n)                       # (R, n)
+    R = x2.shape[0]
+    w1 = np.ones(n, x.dtype) if w is None else _contig(w).reshape(-1)
+    b1 = np.zeros(n, x.dtype) if b is None else _contig(b).reshape(-1)
+    out = np.empty_like(x2)
+    mean = np.empty(R, x.dtype)
+    rstd = np.empty(R, x.dtype)
+    if x2.size:
+        _fused.layernorm_forward(out, mean, rstd, x2, w1, b1, float(eps), _threads(x2.size))
+    out = wrap(out.reshape(x.shape))
     inputs = (input, weight, bias)
     if needs_graph(inputs):
         node = LayerNormBackward()
-        node.x2, node.mean, node.rstd, node.weight = x2, mean, rstd, w
-        node.n, node.x_shape, node.normalized_shape = n, x.shape, normalized_shape
+        node.x2, node.w1, node.mean, node.rstd = x2, w1, mean, rstd
+        node.x_shape, node.normalized_shape = x.shape, normalized_shape
         attach(out, node, inputs)
     return out
 
@@ -287,17 +300,15 @@ class RMSNormBackward(Node):
     dx = rstd * (dxhat - xhat * mean(dxhat * xhat)),  dxhat = g * w,  dw = sum_rows(g * xhat)"""
 
     def backward(self, g):
-        n = self.n
-        g2 = _contig(g).reshape(-1, n)
-        xhat = self.x2 * self.rstd
-        w = self.weight
-        dxhat = g2 if w is None else g2 * w.reshape(-1)
-        dx = dw = None
-        if _wants_grad(self, 0):
-            dx = self.rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdims=True))
-            dx = dx.reshape(self.x_shape)
-        if _wants_grad(self, 1):
-            dw = (g2 * xhat).sum(0).reshape(w.shape)
+        x2 = self.x2
+        R, n = x2.shape
+        g2 = _grad_as(g, x2)
+        dinp = np.empty_like(x2)
+        dweight = _partials(R, n, x2.dtype)
+        if x2.size:
+            _fused.rmsnorm_backward(dinp, dweight, g2, x2, self.w1, self.rstd, dweight.shape[0])
+        dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
+        dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
         return (dx, dw)
 
 
@@ -311,16 +322,17 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     if eps is None:
         eps = float(np.finfo(x.dtype).eps)
     x2 = _contig(x).reshape(-1, n)
-    rstd = 1 / np.sqrt((x2 * x2).mean(-1, keepdims=True) + eps)
-    y = x2 * rstd
-    if w is not None:
-        y = y * w.reshape(-1)
-    out = wrap(y.astype(x.dtype, copy=False).reshape(x.shape))
+    w1 = np.ones(n, x.dtype) if w is None else _contig(w).reshape(-1)
+    out = np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], x.dtype)
+    if x2.size:
+        _fused.rmsnorm_forward(out, rstd, x2, w1, float(eps), _threads(x2.size))
+    out = wrap(out.reshape(x.shape))
     inputs = (input, weight)
     if needs_graph(inputs):
         node = RMSNormBackward()
-        node.x2, node.rstd, node.weight = x2, rstd, w
-        node.n, node.x_shape = n, x.shape
+        node.x2, node.w1, node.rstd = x2, w1, rstd
+        node.x_shape, node.normalized_shape = x.shape, normalized_shape
         attach(out, node, inputs)
     return out
 
@@ -357,35 +369,34 @@ def _ce_rows(x, t, op):
 
 class CrossEntropyBackward(Node):
     """loss_i = logsumexp(x_i) - x_i[t_i];  dx_i = g_i * (softmax(x_i) - onehot(t_i)),
-    g_i = 0 on ignored rows, divided by the number of counted rows for 'mean'"""
+    g_i = 0 on ignored rows, divided by the number of counted rows for 'mean'
+    (kernel: crossentropy_backward, which recomputes softmax from the saved logsumexp)"""
 
     def backward(self, g):
-        rows, tgt, keep = self.rows, self.tgt, self.keep
+        rows = self.rows                                 # (M, C)
         M, C = rows.shape
         if self.reduction == "none":
-            grow = np.zeros(M, dtype=rows.dtype)
-            grow[:] = np.asarray(g).reshape(-1)
+            dlosses = np.ascontiguousarray(np.broadcast_to(g, self.out_shape), dtype=rows.dtype).reshape(-1)
         else:
             scale = float(g) / (self.count if self.reduction == "mean" else 1.0)
-            grow = np.full(M, scale, dtype=rows.dtype)
-        grow = grow * keep
-        p = np.exp(rows - self.lse[:, None])
-        if self.label_smoothing:
-            eps = self.label_smoothing
-            p -= eps / C
-            p[np.arange(M), np.where(keep, tgt, 0)] -= (1 - eps)
-        else:
-            p[np.arange(M), np.where(keep, tgt, 0)] -= 1
-        d = p * grow[:, None]
-        if self.how == "second":
+            dlosses = np.full(M, scale, dtype=rows.dtype)
+        dlogits = np.empty_like(rows)
+        if rows.size:
+            _fused.crossentropy_backward(dlogits, dlosses, rows, self.lse, self.tgt,
+                                         self.ignore_index, self.label_smoothing,
+                                         _threads(rows.size))
+        if self.how == "second":                         # (N*d, C) -> (N, C, d...)
             x_shape = self.x_shape
-            d = np.moveaxis(d.reshape((x_shape[0],) + x_shape[2:] + (x_shape[1],)), -1, 1)
-        return (d.reshape(self.x_shape), None)
+            dlogits = np.moveaxis(dlogits.reshape((x_shape[0],) + x_shape[2:] + (x_shape[1],)), -1, 1)
+        return (dlogits.reshape(self.x_shape), None)
 
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0):
-    """loss = -log softmax(x)[target], averaged over targets that are not ignore_index"""
+    """loss = -log softmax(x)[target], averaged over the targets that are not ignore_index
+
+    Layouts as torch: logits (N, C) with target (N,), (C,) with (), (N, C, d...) with
+    (N, d...); also (..., C) with (...) (e.g. (B, T, V) logits with (B, T) targets)."""
     x = _float_array(input, "cross_entropy input")
     if weight is not None:
         raise NotImplementedError("cross_entropy: class weights are not supported")
@@ -397,8 +408,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         raise TypeError(f"cross_entropy: target must be an integer (int64) tensor of class "
                         f"indices, got dtype {t.dtype}")
     rows, tgt, out_shape, how = _ce_rows(x, t, "cross_entropy")
-    rows = _contig(rows)
-    tgt = tgt.astype(np.int64, copy=False)
+    rows = _contig(rows)                                 # (M, C)
+    tgt = np.ascontiguousarray(tgt, dtype=np.int64)      # (M,)
     M, C = rows.shape
     keep = tgt != ignore_index
     bad = keep & ((tgt < 0) | (tgt >= C))
@@ -406,27 +417,28 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         v = int(tgt[np.argmax(bad)])
         raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
                          f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
-    m = rows.max(-1, initial=-np.inf) if C else np.zeros(M, rows.dtype)
-    lse = m + np.log(np.exp(rows - m[:, None]).sum(-1))
-    picked = rows[np.arange(M), np.where(keep, tgt, 0)]
-    loss_rows = lse - picked
-    if label_smoothing:
-        loss_rows = (1 - label_smoothing) * loss_rows + label_smoothing * (lse - rows.mean(-1))
-    loss_rows = np.where(keep, loss_rows, 0).astype(x.dtype)
+    losses = np.empty(M, x.dtype)
+    lse = np.empty(M, x.dtype)
+    if rows.size:
+        _fused.crossentropy_forward(losses, lse, rows, tgt, int(ignore_index),
+                                    float(label_smoothing), _threads(rows.size))
+    else:
+        losses[:] = 0
     count = int(keep.sum())
     if reduction == "none":
-        out = loss_rows.reshape(out_shape)
+        out = losses.reshape(out_shape)
     elif reduction == "sum":
-        out = np.asarray(loss_rows.sum(dtype=np.float64), dtype=x.dtype)
+        out = np.asarray(losses.sum(dtype=np.float64), dtype=x.dtype)
     else:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out = np.asarray(loss_rows.sum(dtype=np.float64) / count, dtype=x.dtype)
+        with np.errstate(invalid="ignore", divide="ignore"):   # all ignored: nan, as torch
+            out = np.asarray(losses.sum(dtype=np.float64) / count, dtype=x.dtype)
     out = wrap(out)
     if needs_graph((input,)):
         node = CrossEntropyBackward()
-        node.rows, node.tgt, node.keep, node.lse = rows, tgt, keep, lse
-        node.reduction, node.count, node.how, node.x_shape = reduction, count, how, x.shape
-        node.label_smoothing = float(label_smoothing)
+        node.rows, node.tgt, node.lse = rows, tgt, lse
+        node.reduction, node.count, node.how = reduction, count, how
+        node.x_shape, node.out_shape = x.shape, out_shape
+        node.ignore_index, node.label_smoothing = int(ignore_index), float(label_smoothing)
         attach(out, node, (input, None))
     return out
 
@@ -497,16 +509,17 @@ def mse_loss(input, target, reduction="mean"):
 # ---- embedding -------------------------------------------------------------------
 
 class EmbeddingBackward(Node):
-    """y = W[idx];  dW[idx[i]] += g[i]   (repeated ids accumulate)"""
+    """y = W[idx];  dW[idx[i]] += g[i]   (repeated ids accumulate; kernel: embedding_backward)"""
 
     def backward(self, g):
         V, D = self.weight_shape
-        dw = np.zeros((V, D), dtype=self.dtype)
-        g2 = _contig(g).reshape(-1, D)
-        np.add.at(dw, self.ids, g2)
+        dweight = np.zeros((V, D), dtype=self.dtype)
+        g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(-1, D)
+        if g2.size:
+            _fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size))
         if self.padding_idx is not None:
-            dw[self.padding_idx] = 0
-        return (None, dw)
+            dweight[self.padding_idx] = 0
+        return (None, dweight)
 
 
 def embedding(input, weight, padding_idx=None):
@@ -518,7 +531,7 @@ def embedding(input, weight, padding_idx=None):
     if w.ndim != 2:
         raise ShapeError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {w.shape}")
     V, D = w.shape
-    ids = _contig(idx).reshape(-1).astype(np.int64, copy=False)
+    ids = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)   # (M,)
     bad = (ids < 0) | (ids >= V)
     if bad.any():
         raise IndexError(f"embedding: index {int(ids[np.argmax(bad)])} is out of range for "
@@ -529,7 +542,10 @@ def embedding(input, weight, padding_idx=None):
             padding_idx += V
         if not 0 <= padding_idx < V:
             raise IndexError(f"embedding: padding_idx {padding_idx} is out of range for num_embeddings={V}")
-    out = wrap(w[ids].reshape(idx.shape + (D,)))
+    out = np.empty((ids.shape[0], D), dtype=w.dtype)     # (M, D)
+    if out.size:
+        _fused.embedding_forward(out, ids, _contig(w), _threads(out.size))
+    out = wrap(out.reshape(idx.shape + (D,)))
     if needs_graph((weight,)):
         node = EmbeddingBackward()
         node.ids, node.weight_shape, node.dtype, node.padding_idx = ids, w.shape, w.dtype, padding_idx
@@ -549,18 +565,22 @@ class DropoutBackward(Node):
 def dropout(input, p=0.5, training=True, inplace=False):
     """Zero each element with probability p and scale the rest by 1/(1-p) (training only)."""
     x = _tensor(input, "dropout input")
-    if not isinstance(p, (int, float, np.floating, np.integer)) or not (0.0 <= p <= 1.0):
+    if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) \
+            or not (0.0 <= p <= 1.0):
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0:
         return x
-    d = _float_array(x, "dropout input")
-    rng = _core.default_generator()
+    d = _contig(_float_array(x, "dropout input"))
     if p == 1:
         mask = np.zeros(d.shape, dtype=d.dtype)
+        out = np.zeros_like(d)
     else:
-        mask = (rng.random(d.shape, dtype=np.float32) >= p).astype(d.dtype)
-        mask *= d.dtype.type(1.0 / (1.0 - p))
-    out = wrap(d * mask)
+        uniform = _core.default_generator().random(d.size, dtype=np.float32)
+        mask = np.empty_like(d)
+        out = np.empty_like(d)
+        _fused.dropout_forward(out.reshape(-1), mask.reshape(-1), d.reshape(-1), uniform,
+                               float(p), _threads(d.size))
+    out = wrap(out)
     if needs_graph((input,)):
         node = DropoutBackward()
         node.mask = mask
@@ -570,53 +590,69 @@ def dropout(input, p=0.5, training=True, inplace=False):
 
 # ---- attention -------------------------------------------------------------------
 
-def _attention_mask(attn_mask, is_causal, Tq, Tk, dtype):
-    """The mask as an additive float array broadcastable to (..., Tq, Tk), or None."""
-    if is_causal:
-        if attn_mask is not None:
-            raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
-                             "is_causal=True, not both")
-        keep = np.tril(np.ones((Tq, Tk), dtype=bool))
-        return np.where(keep, 0, -np.inf).astype(dtype)
-    if attn_mask is None:
-        return None
+_ATTENTION_BLOCK = 32   # query rows per block: one (block, Tk) buffer of scores per thread
+
+
+def _attention_mask(attn_mask, Tq, Tk, dtype):
+    """attn_mask as an additive float array (0 = attend, -inf = masked), at least 2-D."""
     m = attn_mask._data if isinstance(attn_mask, Tensor) else np.asarray(attn_mask)
-    if m.ndim < 2 and m.ndim != 0:
-        pass
-    try:
-        np.broadcast_shapes(m.shape, (Tq, Tk))
-    except ValueError:
-        raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {m.shape} cannot be "
-                         f"broadcast to the scores' shape (..., {Tq}, {Tk})") from None
     if m.dtype == np.bool_:
-        return np.where(m, 0, -np.inf).astype(dtype)
-    if m.dtype.kind != "f":
+        m = np.where(m, dtype.type(0), dtype.type(-np.inf))
+    elif m.dtype.kind == "f":
+        m = m.astype(dtype, copy=False)
+    else:
         raise TypeError(f"scaled_dot_product_attention: attn_mask must be bool (True = attend) "
                         f"or float (added to the scores), got dtype {m.dtype}")
-    return m.astype(dtype, copy=False)
+    if m.ndim < 2:
+        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
+    if m.shape[-2] not in (1, Tq) or m.shape[-1] not in (1, Tk):
+        raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {m.shape} cannot be "
+                         f"broadcast to the scores' shape (..., {Tq}, {Tk})")
+    return m
+
+
+def _mask_slabs(m, batch, Tq, Tk):
+    """An additive mask broadcastable to batch + (Tq, Tk) as contiguous slabs (NM, Tq, Tk)
+    plus the slab index of each flattened batch entry (BH,), without expanding the mask
+    over batch dims it is broadcast along (a (B, 1, 1, Tk) padding mask stays B slabs)."""
+    mb = m.shape[:-2]
+    if len(mb) > len(batch) or np.broadcast_shapes(mb, batch) != tuple(batch):
+        raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {m.shape} cannot be "
+                         f"broadcast to the scores' shape {tuple(batch) + (Tq, Tk)}")
+    slabs = np.ascontiguousarray(np.broadcast_to(m, mb + (Tq, Tk))).reshape(-1, Tq, Tk)
+    mb = (1,) * (len(batch) - len(mb)) + mb
+    index = np.broadcast_to(np.arange(slabs.shape[0], dtype=np.int64).reshape(mb), batch)
+    return slabs, np.ascontiguousarray(index).reshape(-1)
 
 
 class AttentionBackward(Node):
     """o = P @ v,  P = softmax(scale * q @ k^T + mask);
     dv = P^T @ g,  dP = g @ v^T,  dS = P * (dP - rowsum(dP * P)),
-    dq = scale * dS @ k,  dk = scale * dS^T @ q"""
+    dq = scale * dS @ k,  dk = scale * dS^T @ q     (kernel: attention_backward)"""
 
     def backward(self, g):
-        q, k, v, P, Pd = self.q, self.k, self.v, self.P, self.Pd
-        dv = np.matmul(np.swapaxes(Pd, -1, -2), g)
-        dPd = np.matmul(g, np.swapaxes(v, -1, -2))
-        dP = dPd if self.drop is None else dPd * self.drop
-        dS = P * (dP - (dP * P).sum(-1, keepdims=True))
-        dS *= self.scale
-        dq = np.matmul(dS, k)
-        dk = np.matmul(np.swapaxes(dS, -1, -2), q)
-        return (_unbroadcast(dq, self.shapes[0]), _unbroadcast(dk, self.shapes[1]),
-                _unbroadcast(dv, self.shapes[2]))
+        q, k, v = self.q, self.k, self.v                 # (BH, Tq, hs), (BH, Tk, hs), (BH, Tk, hv)
+        dout = _grad_as(g, self.out3)                    # (BH, Tq, hv)
+        dq = np.empty_like(q)
+        dk = np.zeros_like(k)
+        dv = np.zeros_like(v)
+        _attention.attention_backward(dq, dk, dv, dout, q, k, v, self.lse, self.slabs,
+                                      self.index, self.has_mask, self.is_causal, self.scale,
+                                      self.dropout_p, self.seed, _ATTENTION_BLOCK,
+                                      min(_core.get_num_threads(), q.shape[0]))
+        grads = []
+        for d, shape in zip((dq, dk, dv), self.shapes):
+            grads.append(_unbroadcast(d.reshape(self.batch + d.shape[1:]), shape))
+        return tuple(grads)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-    """o = softmax(q @ k^T * scale + mask) @ v   (q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv))"""
+    """o = softmax(q @ k^T * scale + mask) @ v   (q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv))
+
+    attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
+    (..., Tq, Tk). is_causal: query i sees keys 0..i (top-left aligned, as torch).
+    scale defaults to 1/sqrt(hs). A row with every key masked outputs zeros."""
     q = _float_array(query, "scaled_dot_product_attention query")
     k = _float_array(key, "scaled_dot_product_attention key")
     v = _float_array(value, "scaled_dot_product_attention value")
@@ -626,46 +662,48 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          f"dims (..., T, head_dim), got shapes {q.shape}, {k.shape}, {v.shape}")
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ShapeError(f"scaled_dot_product_attention: query {q.shape}, key {k.shape} and value "
-                         f"{v.shape} do not fit (need q and k to share head_dim, k and v to "
-                         "share the sequence length)")
+                         f"{v.shape} do not fit (q and k must share head_dim, k and v the "
+                         "sequence length)")
     try:
         batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except ValueError:
         raise ShapeError(f"scaled_dot_product_attention: batch dims of query {q.shape}, key "
                          f"{k.shape} and value {v.shape} cannot be broadcast together") from None
-    if not (0.0 <= dropout_p <= 1.0):
+    if isinstance(dropout_p, bool) or not (0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, "
+                         "not both")
     Tq, hs = q.shape[-2], q.shape[-1]
-    Tk = k.shape[-2]
+    Tk, hv = k.shape[-2], v.shape[-1]
     scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
-    mask = _attention_mask(attn_mask, is_causal, Tq, Tk, q.dtype)
-    S = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(scale)   # (..., Tq, Tk)
-    if mask is not None:
-        try:
-            S = S + mask
-        except ValueError:
-            raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {mask.shape} cannot "
-                             f"be broadcast to the scores' shape {S.shape}") from None
-    m = S.max(-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)          # NOTE: a fully masked row gives zeros, not NaN
-    P = np.exp(S - m)
-    s = P.sum(-1, keepdims=True)
-    P /= np.where(s > 0, s, 1)
-    drop = None
-    Pd = P
-    if dropout_p > 0:
-        rng = _core.default_generator()
-        if dropout_p == 1:
-            drop = np.zeros(P.shape, dtype=P.dtype)
-        else:
-            drop = (rng.random(P.shape, dtype=np.float32) >= dropout_p).astype(P.dtype)
-            drop *= P.dtype.type(1.0 / (1.0 - dropout_p))
-        Pd = P * drop
-    out = wrap(np.matmul(Pd, v).astype(q.dtype, copy=False))
+    if attn_mask is not None:
+        slabs, index = _mask_slabs(_attention_mask(attn_mask, Tq, Tk, q.dtype), batch, Tq, Tk)
+    else:
+        slabs, index = np.zeros((1, 1, 1), q.dtype), np.zeros(1, np.int64)
+    BH = int(np.prod(batch))
+
+    def flat(a, T, d):                                   # (..., T, d) -> (BH, T, d), contiguous
+        return _contig(np.broadcast_to(a, batch + (T, d))).reshape(BH, T, d)
+
+    q3, k3, v3 = flat(q, Tq, hs), flat(k, Tk, hs), flat(v, Tk, hv)
+    out3 = np.empty((BH, Tq, hv), q.dtype)
+    lse = np.empty((BH, Tq), q.dtype)
+    seed = int(_core.default_generator().integers(0, 2 ** 63)) if dropout_p > 0 else 0
+    if out3.size == 0 or hs == 0 or Tk == 0:
+        out3[...] = 0                                    # nothing to attend to
+        lse[...] = np.inf
+    else:
+        _attention.attention_forward(out3, lse, q3, k3, v3, slabs, index, attn_mask is not None,
+                                     bool(is_causal), scale, float(dropout_p), seed,
+                                     _ATTENTION_BLOCK, min(_core.get_num_threads(), BH))
+    out = wrap(out3.reshape(batch + (Tq, hv)))
     inputs = (query, key, value)
     if needs_graph(inputs):
         node = AttentionBackward()
-        node.q, node.k, node.v, node.P, node.Pd, node.drop = q, k, v, P, Pd, drop
-        node.scale, node.shapes = q.dtype.type(scale), (q.shape, k.shape, v.shape)
+        node.q, node.k, node.v, node.lse, node.out3 = q3, k3, v3, lse, out3
+        node.slabs, node.index, node.has_mask = slabs, index, attn_mask is not None
+        node.is_causal, node.scale, node.dropout_p, node.seed = bool(is_causal), scale, float(dropout_p), seed
+        node.batch, node.shapes = tuple(batch), (q.shape, k.shape, v.shape)
         attach(out, node, inputs)
     return out

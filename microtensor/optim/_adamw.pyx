@@ -1,18 +1,20 @@
+# distutils: extra_compile_args = -fno-math-errno
+# (sqrt without errno bookkeeping, so that the update loops vectorize)
 # Cython kernels of the optimizer updates: one call per parameter, in place, no
 # temporaries. Each takes flat contiguous views (the caller passes `p._data.reshape(-1)`)
 # of one fused float type, releases the GIL and splits the elements across threads.
 #
 # The arithmetic follows PyTorch's single-tensor (CPU) code path operation by operation,
 # so that float64 results agree to rounding:
-#   Adam   grad += wd * p                       (L2 penalty, coupled)
-#   AdamW  p *= 1 - lr * wd                     (decoupled decay, before the update)
-#   m = m + (1 - b1) * (g - m)                  (torch's lerp for a weight < 0.5)
+#   Adam   g = grad + wd * p                    (L2 penalty, coupled)
+#   AdamW  p = p * (1 - lr * wd)                (decoupled decay, before the update)
+#   m = m + (1 - b1) * (g - m)                  (torch's lerp form when b1 > 0.5)
 #   v = v * b2 + (1 - b2) * g * g               (mul_ then addcmul_)
 #   p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)      (addcdiv_)
 # with bc1 = 1 - b1**step, bc2 = 1 - b2**step computed once, in double, per call.
 
 from cython.parallel cimport prange
-from libc.math cimport sqrt
+from libc.math cimport sqrt, sqrtf
 cimport cython
 
 ctypedef fused real:
@@ -27,6 +29,34 @@ cdef inline int _threads(Py_ssize_t n, int num_threads) noexcept nogil:
     return num_threads if n >= _PARALLEL_MIN and num_threads > 1 else 1
 
 
+cdef inline real _sqrt(real x) noexcept nogil:
+    if real is float:
+        return sqrtf(x)
+    else:
+        return sqrt(x)
+
+
+cdef inline void _adam_element(real* param, real grad, real* exp_avg, real* exp_avg_sq,
+                               real* max_exp_avg_sq, real neg_step_size,
+                               real bias_correction2_sqrt, real one_minus_beta1, real beta2,
+                               real one_minus_beta2, real eps, real decay, real l2,
+                               bint amsgrad) noexcept nogil:
+    """The update of one element (inlined into the loops below)."""
+    cdef real p = param[0] * decay        # AdamW's decay (decay is exactly 1 for Adam)
+    # NOTE: with l2 = 0 this adds 0 * p, which is exact for every finite p
+    cdef real g = grad + l2 * p           # Adam's L2 term (l2 is 0 for AdamW)
+    cdef real m = exp_avg[0]
+    cdef real v
+    m = m + one_minus_beta1 * (g - m)
+    v = exp_avg_sq[0] * beta2 + one_minus_beta2 * g * g
+    exp_avg[0] = m
+    exp_avg_sq[0] = v
+    if amsgrad:
+        v = v if v > max_exp_avg_sq[0] else max_exp_avg_sq[0]
+        max_exp_avg_sq[0] = v
+    param[0] = p + neg_step_size * m / (_sqrt(v) / bias_correction2_sqrt + eps)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def adam_step(real[::1] param, const real[::1] grad, real[::1] exp_avg,
@@ -36,8 +66,12 @@ def adam_step(real[::1] param, const real[::1] grad, real[::1] exp_avg,
     """One Adam / AdamW update of one parameter (N,), in place over param, exp_avg,
     exp_avg_sq (and max_exp_avg_sq when amsgrad; otherwise any (N,) array, unread)."""
     # NOTE: every buffer is indexed by the same i, and each element is read and written
-    # by exactly one thread, so the in-place update inside prange is race-free.
+    # by exactly one thread, so the in-place update inside prange is race-free. The
+    # per-element work sits in an inline function so that the loop has no private
+    # temporaries (Cython resets those to NaN on every iteration), and the options are
+    # folded into coefficients rather than branches, so the compiler vectorizes it.
     cdef Py_ssize_t i, n = param.shape[0]
+    cdef int threads = _threads(n, num_threads)
     cdef double bias_correction1 = 1.0 - beta1 ** step
     cdef double bias_correction2 = 1.0 - beta2 ** step
     # the coefficients are rounded to the parameter's type once, as torch does
@@ -47,29 +81,40 @@ def adam_step(real[::1] param, const real[::1] grad, real[::1] exp_avg,
     cdef real beta2_r = beta2
     cdef real one_minus_beta2 = 1.0 - beta2
     cdef real eps_r = eps
-    cdef real decay = 1.0 - lr * weight_decay
-    cdef real wd = weight_decay
-    cdef bint coupled_decay = weight_decay != 0 and not decoupled_weight_decay
-    cdef bint decoupled_decay = weight_decay != 0 and decoupled_weight_decay
-    cdef real p, g, m, v, denom
-    for i in prange(n, nogil=True, num_threads=_threads(n, num_threads), schedule="static"):
-        p = param[i]
-        g = grad[i]
-        if decoupled_decay:
-            p = p * decay
-        elif coupled_decay:
-            g = g + wd * p
-        m = exp_avg[i]
-        m = m + one_minus_beta1 * (g - m)
-        v = exp_avg_sq[i] * beta2_r + one_minus_beta2 * g * g
-        exp_avg[i] = m
-        exp_avg_sq[i] = v
-        if amsgrad:
-            if max_exp_avg_sq[i] > v:
-                v = max_exp_avg_sq[i]
-            max_exp_avg_sq[i] = v
-        denom = <real>sqrt(v) / bias_correction2_sqrt + eps_r
-        param[i] = p + neg_step_size * m / denom
+    cdef real decay = 1.0 - lr * weight_decay if decoupled_weight_decay else 1.0
+    cdef real l2 = 0.0 if decoupled_weight_decay else weight_decay
+    if amsgrad:
+        for i in prange(n, nogil=True, num_threads=threads, schedule="static"):
+            _adam_element(&param[i], grad[i], &exp_avg[i], &exp_avg_sq[i], &max_exp_avg_sq[i],
+                          neg_step_size, bias_correction2_sqrt, one_minus_beta1, beta2_r,
+                          one_minus_beta2, eps_r, decay, l2, True)
+    else:
+        for i in prange(n, nogil=True, num_threads=threads, schedule="static"):
+            _adam_element(&param[i], grad[i], &exp_avg[i], &exp_avg_sq[i], &exp_avg_sq[i],
+                          neg_step_size, bias_correction2_sqrt, one_minus_beta1, beta2_r,
+                          one_minus_beta2, eps_r, decay, l2, False)
+
+
+cdef inline void _sgd_element(real* param, real grad, real* momentum_buffer, real neg_lr,
+                              real wd, real momentum, real one_minus_dampening,
+                              bint use_decay, bint use_momentum, bint nesterov,
+                              bint first_step) noexcept nogil:
+    cdef real p = param[0]
+    cdef real g = grad
+    cdef real b
+    if use_decay:
+        g = g + wd * p
+    if use_momentum:
+        if first_step:
+            b = g
+        else:
+            b = momentum_buffer[0] * momentum + one_minus_dampening * g
+        momentum_buffer[0] = b
+        if nesterov:
+            g = g + momentum * b
+        else:
+            g = b
+    param[0] = p + neg_lr * g
 
 
 @cython.boundscheck(False)
@@ -84,26 +129,7 @@ def sgd_step(real[::1] param, const real[::1] grad, real[::1] momentum_buffer,
         g = g + momentum * b (nesterov)  or  g = b
         p = p - lr * g"""
     cdef Py_ssize_t i, n = param.shape[0]
-    cdef real neg_lr = -lr
-    cdef real wd = weight_decay
-    cdef real mom = momentum
-    cdef real one_minus_dampening = 1.0 - dampening
-    cdef bint use_decay = weight_decay != 0
-    cdef bint use_momentum = momentum != 0
-    cdef real p, g, b
     for i in prange(n, nogil=True, num_threads=_threads(n, num_threads), schedule="static"):
-        p = param[i]
-        g = grad[i]
-        if use_decay:
-            g = g + wd * p
-        if use_momentum:
-            if first_step:
-                b = g
-            else:
-                b = momentum_buffer[i] * mom + one_minus_dampening * g
-            momentum_buffer[i] = b
-            if nesterov:
-                g = g + mom * b
-            else:
-                g = b
-        param[i] = p + neg_lr * g
+        _sgd_element(&param[i], grad[i], &momentum_buffer[i], <real>(-lr), <real>weight_decay,
+                     <real>momentum, <real>(1.0 - dampening), weight_decay != 0,
+                     momentum != 0, nesterov, first_step)

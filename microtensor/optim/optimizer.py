@@ -87,8 +87,8 @@ class Optimizer:
             if not p.is_leaf:
                 raise ValueError(f"can't optimize a non-leaf Tensor (param {i} of the group, "
                                  f"shape {p.shape}, was computed by {p.grad_fn.name()})")
-            if p.dtype.kind != "f":
-                raise TypeError(f"optimizer can only optimize floating point tensors, but param "
+            if p.dtype not in (np.float32, np.float64):
+                raise TypeError(f"optimizers update float32 and float64 tensors, but param "
                                 f"{i} of the group has dtype {p.dtype}")
             if id(p) in seen:
                 raise ValueError(f"param {i} appears twice in the same parameter group")

@@ -1,0 +1,417 @@
+"""Training speed of the GPT: microtensor vs PyTorch eager, side by side.
+
+The same nanoGPT-architecture model (pre-norm LayerNorm, learned positions, GELU MLP,
+tied embedding / output weights, biases) trained on the same character corpus with
+the same hyper-parameters, the same batches and the same initial weights (microtensor's
+state_dict copied into the torch model). A timed step is forward + backward + gradient
+clipping at 1.0 + AdamW. After warm-up the engines alternate in rounds (A B A B ...)
+in one process, so both see the same machine; before each round the process waits
+until no thread pool left spinning by the other engine is still burning CPU
+(_common.quiesce).
+
+Reported per engine: median ms/step and its spread (IQR), tokens/s, the ratio
+microtensor / PyTorch, and achieved GFLOP/s of the step's matrix products:
+
+    FLOPs/step = 3 * (n_layer * (24*M*C^2 + 4*B*T^2*C) + 2*M*C*V),  M = B*T
+
+(each Linear 2*M*K*N forward and twice that backward: c_attn C->3C, c_proj C->C,
+c_fc C->4C, mlp c_proj 4C->C, lm_head C->V; attention's q@k^T and P@v 2*B*T^2*C each
+forward and twice that backward; elementwise work is not counted).
+
+    python benchmarks/bench_train.py --config cpu                  # timing table
+    python benchmarks/bench_train.py --config tiny,cpu,mid --json out.jsonl
+    python benchmarks/bench_train.py --config cpu --memory         # peak RSS per engine
+    python benchmarks/bench_train.py --config cpu --profile        # microtensor by op
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+# the training hyper-parameters (nanoGPT's shakespeare-char settings, dropout off)
+LR = 1e-3
+BETAS = (0.9, 0.99)
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+DEFAULT_STEPS = {"tiny": 40, "cpu": 20, "mid": 6}   # timed steps per engine
+DEFAULT_WARMUP = {"tiny": 5, "cpu": 3, "mid": 1}
+
+
+# ---- data ------------------------------------------------------------------------
+
+def encode_corpus(text):
+    """Character vocabulary and the corpus as int64 token ids."""
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    return np.array([stoi[c] for c in text], dtype=np.int64), len(chars)
+
+
+def make_batches(data, n, batch_size, block_size, seed):
+    """n (x, y) batches of random windows, as int64 numpy arrays (B, T); y is x
+    shifted by one."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ix = rng.integers(0, len(data) - block_size - 1, batch_size)
+        x = np.stack([data[i:i + block_size] for i in ix])
+        y = np.stack([data[i + 1:i + 1 + block_size] for i in ix])
+        out.append((x, y))
+    return out
+
+
+# ---- the two engines -------------------------------------------------------------
+
+def build_mt(cfg, vocab_size, seed, dtype="float32"):
+    """A microtensor GPT, its AdamW (weight decay on matrices only) and a step fn."""
+    import microtensor as mt
+    from models import GPT, GPTConfig
+    mt.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=cfg["block_size"],
+                          n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                          n_embd=cfg["n_embd"], dropout=0.0, bias=True))
+    if dtype == "float64":
+        model.double()
+    params = list({id(p): p for p in model.parameters()}.values())
+    opt = mt.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=LR, betas=BETAS, eps=1e-8)
+    clip = mt.nn.utils.clip_grad_norm_
+
+    def step(x, y, prof=None):
+        region = prof.region if prof is not None else _no_region
+        xb, yb = mt.from_numpy(x), mt.from_numpy(y)
+        with region("forward"):
+            _, loss = model(xb, yb)
+        with region("zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        with region("backward"):
+            loss.backward()
+        with region("clip"):
+            clip(params, GRAD_CLIP)
+        with region("optimizer"):
+            opt.step()
+        return loss.item()
+    return model, step
+
+
+def build_torch(torch, mt_model=None, cfg=None, vocab_size=None, dtype="float32"):
+    """The torch GPT (weights copied from mt_model when given), AdamW, a step fn."""
+    import torch_gpt
+    tdtype = torch.float64 if dtype == "float64" else torch.float32
+    if mt_model is not None:
+        model = torch_gpt.from_microtensor(mt_model, tdtype)
+    else:
+        model = torch_gpt.TorchGPT(vocab_size, cfg["block_size"], cfg["n_layer"],
+                                   cfg["n_head"], cfg["n_embd"]).to(tdtype)
+    opt = torch_gpt.configure_optimizer(model, LR, WEIGHT_DECAY, BETAS)
+    params = list(model.parameters())
+
+    def step(x, y, prof=None):
+        region = prof.region if prof is not None else _no_region
+        xb, yb = torch.from_numpy(x), torch.from_numpy(y)
+        with region("forward"):
+            _, loss = model(xb, yb)
+        with region("zero_grad"):
+            opt.zero_grad(set_to_none=True)
+        with region("backward"):
+            loss.backward()
+        with region("clip"):
+            torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        with region("optimizer"):
+            opt.step()
+        return loss.item()
+    return model, step
+
+
+class _NoRegion:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_REGION = _NoRegion()
+
+
+def _no_region(name):
+    return _NO_REGION
+
+
+class RegionTimer:
+    """Wall time per region, for the torch side of --profile."""
+
+    def __init__(self):
+        self.regions = {}
+
+    def region(self, name):
+        timer = self
+
+        class _R:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.regions[name] = timer.regions.get(name, 0.0) + time.perf_counter() - self.t0
+        return _R()
+
+
+def loss_curve(config, steps, seed=0, dtype="float32", engine="microtensor", text=None,
+               torch=None):
+    """The training losses of `steps` steps (used by the tests: same seed, same curve)."""
+    cfg = C.CONFIGS[config] if isinstance(config, str) else config
+    text = text if text is not None else C.load_text(None)[0]
+    data, vocab = encode_corpus(text)
+    batches = make_batches(data, steps, cfg["batch_size"], cfg["block_size"], seed)
+    mt_model, mt_step = build_mt(cfg, vocab, seed, dtype)
+    if engine == "microtensor":
+        step = mt_step
+    else:
+        _, step = build_torch(torch, mt_model, dtype=dtype)
+    return [step(x, y) for x, y in batches]
+
+
+# ---- timing ----------------------------------------------------------------------
+
+def time_engines(engines, batches, warmup, steps, rounds):
+    """Per engine, the wall time of each timed step. engines: {name: step fn}; every
+    engine runs the same batches in the same order."""
+    for name, step in engines.items():
+        for x, y in batches[:warmup]:
+            step(x, y)
+    per_round = max(1, steps // rounds)
+    times = {name: [] for name in engines}
+    losses = {name: [] for name in engines}
+    done = 0
+    while done < steps:
+        n = min(per_round, steps - done)
+        for name, step in engines.items():
+            C.quiesce()
+            for i in range(done, done + n):
+                x, y = batches[warmup + i]
+                t0 = time.perf_counter()
+                losses[name].append(step(x, y))
+                times[name].append(time.perf_counter() - t0)
+        done += n
+    return times, losses
+
+
+def run_config(name, args, text, torch):
+    cfg = C.CONFIGS[name]
+    data, vocab = encode_corpus(text)
+    steps = args.steps or DEFAULT_STEPS[name]
+    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    batches = make_batches(data, warmup + steps, cfg["batch_size"], cfg["block_size"], args.seed)
+    mt_model, mt_step = build_mt(cfg, vocab, args.seed)
+    engines = {"microtensor": mt_step}
+    if torch is not None:
+        _, engines["torch"] = build_torch(torch, mt_model)
+    times, losses = time_engines(engines, batches, warmup, steps, args.rounds)
+    flops = C.step_flops(cfg, vocab)
+    tokens = cfg["batch_size"] * cfg["block_size"]
+    stats = {e: C.summary(ts) for e, ts in times.items()}
+    result = {"config": name, "cfg": cfg, "vocab_size": vocab, "steps": steps,
+              "warmup": warmup, "rounds": args.rounds, "step_gflop": flops / 1e9,
+              "params": mt_model.num_parameters(), "engines": {}}
+    for e, s in stats.items():
+        result["engines"][e] = {
+            "ms_median": s["median"] * 1e3, "ms_q1": s["q1"] * 1e3, "ms_q3": s["q3"] * 1e3,
+            "ms_min": s["min"] * 1e3, "ms_max": s["max"] * 1e3,
+            "tokens_per_s": tokens / s["median"], "gflops": flops / s["median"] / 1e9,
+            "first_losses": losses[e][:3], "last_loss": losses[e][-1]}
+    if "torch" in stats:
+        result["ratio_mt_over_torch"] = stats["microtensor"]["median"] / stats["torch"]["median"]
+    if args.ceiling:
+        import bench_matmul
+        ceiling, _, _ = bench_matmul.step_ceiling(cfg, vocab, torch, repeats=3)
+        result["matmul_ceiling"] = {e: {"ms": c[0] * 1e3, "gflops": c[1]} for e, c in ceiling.items()}
+    return result
+
+
+def print_results(results):
+    headers = ["config", "params", "engine", "ms/step (median)", "IQR ms", "min-max ms",
+               "tokens/s", "GFLOP/s", "mt/torch"]
+    rows = []
+    for r in results:
+        for e, s in r["engines"].items():
+            rows.append([
+                r["config"], f"{r['params'] / 1e6:.2f}M", e, f"{s['ms_median']:.1f}",
+                f"{s['ms_q1']:.1f}-{s['ms_q3']:.1f}", f"{s['ms_min']:.1f}-{s['ms_max']:.1f}",
+                f"{s['tokens_per_s']:,.0f}", f"{s['gflops']:.1f}",
+                f"{r['ratio_mt_over_torch']:.2f}" if e == "microtensor" and "ratio_mt_over_torch" in r else ""])
+    print(C.table(headers, rows))
+    for r in results:
+        line = (f"{r['config']}: {r['step_gflop']:.3f} GFLOP of matmul per step; "
+                f"{r['steps']} timed steps per engine in {r['rounds']} rounds after "
+                f"{r['warmup']} warm-up")
+        if "matmul_ceiling" in r:
+            for e, c in r["matmul_ceiling"].items():
+                mt_g = r["engines"]["microtensor"]["gflops"]
+                line += (f"; {e} matmul ceiling {c['gflops']:.1f} GFLOP/s ({c['ms']:.1f} ms), "
+                         f"microtensor achieves {100 * mt_g / c['gflops']:.0f}% of it")
+        print(line)
+        losses = {e: s["first_losses"] for e, s in r["engines"].items()}
+        print(f"  first losses: {json.dumps({e: [round(v, 5) for v in ls] for e, ls in losses.items()})}")
+
+
+# ---- peak memory (child processes) ------------------------------------------------
+
+def child_main(args):
+    """One engine's training loop alone in this process; prints a JSON line."""
+    engine = args.child
+    torch = C.try_import_torch() if engine == "torch" else None
+    import microtensor as mt  # noqa: F401  (the mt child never imports torch)
+    C.setup_threads(args.threads, torch)
+    text, _ = C.load_text(args.data)
+    cfg = C.CONFIGS[args.config]
+    data, vocab = encode_corpus(text)
+    steps = args.steps or DEFAULT_STEPS[args.config]
+    batches = make_batches(data, steps, cfg["batch_size"], cfg["block_size"], args.seed)
+    rss_before = C.current_rss()
+    if engine == "microtensor":
+        _, step = build_mt(cfg, vocab, args.seed)
+    else:
+        _, step = build_torch(torch, cfg=cfg, vocab_size=vocab)
+    for x, y in batches:
+        step(x, y)
+    print(json.dumps({"engine": engine, "rss_before_model": rss_before,
+                      "rss_end": C.current_rss()}))
+
+
+def memory(names, args):
+    rows, out = [], {}
+    engines = ["microtensor"] + (["torch"] if not args.no_torch and C.try_import_torch() else [])
+    for name in names:
+        out[name] = {}
+        for e in engines:
+            argv = [os.path.abspath(__file__), "--child", e, "--config", name,
+                    "--threads", str(args.threads), "--seed", str(args.seed)]
+            if args.steps:
+                argv += ["--steps", str(args.steps)]
+            if args.data:
+                argv += ["--data", args.data]
+            peak, stdout = C.run_child_peak_rss(argv)
+            child = json.loads(stdout.strip().splitlines()[-1])
+            out[name][e] = {"peak_rss": peak, "rss_before_model": child["rss_before_model"]}
+        for e in engines:
+            m = out[name][e]
+            ratio = ""
+            if e == "microtensor" and "torch" in out[name]:
+                ratio = f"{m['peak_rss'] / out[name]['torch']['peak_rss']:.2f}"
+            rows.append([name, e, f"{m['peak_rss'] / 2**20:.0f}",
+                         f"{m['rss_before_model'] / 2**20:.0f}",
+                         f"{(m['peak_rss'] - m['rss_before_model']) / 2**20:.0f}", ratio])
+    print("\n## peak resident memory of each engine's training loop (own child process)\n")
+    print(C.table(["config", "engine", "peak RSS MiB", "RSS before model MiB",
+                   "growth MiB", "mt/torch peak"], rows))
+    return out
+
+
+# ---- profile ---------------------------------------------------------------------
+
+def profile(name, args, text, torch):
+    from microtensor.profiler import Profiler, wrapper_cost
+    cfg = C.CONFIGS[name]
+    data, vocab = encode_corpus(text)
+    warmup, steps = 2, args.profile_steps
+    batches = make_batches(data, warmup + steps, cfg["batch_size"], cfg["block_size"], args.seed)
+    mt_model, mt_step = build_mt(cfg, vocab, args.seed)
+    for x, y in batches[:warmup]:
+        mt_step(x, y)
+    C.quiesce()
+    prof = Profiler()
+    with prof:
+        t0 = time.perf_counter()
+        for x, y in batches[warmup:]:
+            mt_step(x, y, prof)
+        wall = (time.perf_counter() - t0) / steps
+    print(f"\n## microtensor profile, config {name} ({cfg}), {steps} steps, "
+          f"{wall * 1e3:.1f} ms/step with the profiler on (wrappers add "
+          f"~{wrapper_cost() * 1e6:.1f} us per op call)\n")
+    print(prof.table(steps=steps, top=args.profile_top))
+    ops, regions = prof.summary(steps)
+    result = {"config": name, "steps": steps, "ms_per_step": wall * 1e3, "regions": regions,
+              "ops": [{"region": r, "op": o, "calls": c, "ms": ms} for r, o, c, ms in ops]}
+    if torch is not None:
+        _, t_step = build_torch(torch, mt_model)
+        for x, y in batches[:warmup]:
+            t_step(x, y)
+        C.quiesce()
+        timer = RegionTimer()
+        for x, y in batches[warmup:]:
+            t_step(x, y, timer)
+        print("\nPyTorch eager, same steps, wall ms per step by region: " + ", ".join(
+            f"{k} {v * 1e3 / steps:.2f}" for k, v in timer.regions.items()))
+        result["torch_regions_ms"] = {k: v * 1e3 / steps for k, v in timer.regions.items()}
+        if args.torch_ops:
+            from torch.profiler import profile as tprofile, ProfilerActivity
+            with tprofile(activities=[ProfilerActivity.CPU]) as tp:
+                for x, y in batches[warmup:]:
+                    t_step(x, y)
+            print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    return result
+
+
+# ---- main ------------------------------------------------------------------------
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny,cpu", help="comma-separated: tiny, cpu, mid")
+    p.add_argument("--data", default=None, help="text corpus (default: tinyshakespeare if "
+                   "present, else Python's documentation text)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per engine")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per engine first")
+    p.add_argument("--rounds", type=int, default=5, help="alternations A B per engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also measure the config's matmul ceiling (bench_matmul)")
+    p.add_argument("--memory", action="store_true", help="peak RSS of each engine, in children")
+    p.add_argument("--profile", action="store_true", help="microtensor's step by op")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--torch-ops", action="store_true", help="with --profile: torch.profiler table")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    p.add_argument("--child", choices=["microtensor", "torch"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.child:
+        args.config = args.config.split(",")[0]
+        return child_main(args)
+
+    names = args.config.split(",")
+    for n in names:
+        if n not in C.CONFIGS:
+            p.error(f"unknown config {n!r}; choose from {', '.join(C.CONFIGS)}")
+    torch = None if args.no_torch else C.try_import_torch()
+    C.setup_threads(args.threads, torch)
+    info = C.machine_info(args.threads, torch)
+    C.print_machine(info)
+    text, source = C.load_text(args.data)
+    print(f"# corpus: {source} ({len(text):,} chars, vocab {len(set(text))})")
+    record = {"bench": "train", "machine": info, "corpus": source}
+
+    if args.memory:
+        record["memory"] = memory(names, args)
+    elif args.profile:
+        record["profile"] = [profile(n, args, text, torch) for n in names]
+    else:
+        results = [run_config(n, args, text, torch) for n in names]
+        print(f"\n## training step (forward + backward + clip + AdamW), threads={args.threads}\n")
+        print_results(results)
+        record["results"] = results
+    if args.json is not None:
+        C.emit_json(record, args.json)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Draw the computation graph behind a tensor: a tiny expression and one Transformer block.
+
+    python examples/graph.py                  # DOT files and PNGs in docs/img/
+    python examples/graph.py --out /tmp/g     # elsewhere
+    dot -Tsvg docs/img/graph_block.dot > b.svg   # with Graphviz, for the clusters
+
+Every box is one backward node (`t.grad_fn.name()`) with the shape of the tensor its
+op produced; blue boxes are parameters (named as in `model.named_parameters()`), yellow
+ones other leaves. Arrows follow the forward pass (an input points at the op that reads
+it); backward walks them the other way. When Graphviz's `dot` is installed the PNGs come
+from it, otherwise microtensor draws the layered graph itself with matplotlib.
+"""
+import argparse
+import os
+
+import microtensor as mt
+from microtensor import inspect as mti
+
+DEFAULTS = dict(out="docs/img", n_embd=16, n_head=2, seq_len=4, seed=0)
+
+
+def expression_graph():
+    """L = sum(tanh(w * x + b)^2): the graph of a tiny neuron."""
+    x = mt.tensor([0.5, -1.0, 2.0])
+    w = mt.tensor([1.0, 0.5, -0.3], requires_grad=True)
+    b = mt.tensor(0.1, requires_grad=True)
+    h = (w * x + b).tanh()
+    loss = (h ** 2).sum()
+    return loss, {"w": w, "b": b, "h": h, "loss": loss}
+
+
+def block_graph(args, prenorm=True):
+    """One TransformerBlock on a (1, T, C) input, with its module calls tracked."""
+    from models import TransformerBlock
+    mt.manual_seed(args.seed)
+    block = TransformerBlock(args.n_embd, args.n_head, prenorm=prenorm)
+    x = mt.randn(1, args.seq_len, args.n_embd, requires_grad=True)
+    with mti.track_modules(block) as calls:
+        y = block(x)
+    return y, block, calls, {"x": x}
+
+
+def write(graph, out, name, engine):
+    dot_path = os.path.join(out, name + ".dot")
+    with open(dot_path, "w") as f:
+        f.write(graph.to_dot())
+    png_path = os.path.join(out, name + ".png")
+    graph.save_png(png_path, dpi=72, engine=engine)
+    print(f"  {dot_path}\n  {png_path}  ({graph.num_ops} ops, {len(graph.nodes)} boxes, "
+          f"{os.path.getsize(png_path) // 1024} KB)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Draw the computation graph of a tiny "
+                                     "expression and of one Transformer block (DOT + PNG).")
+    parser.add_argument("--out", default=DEFAULTS["out"], help="output directory "
+                        "(default: %(default)s)")
+    parser.add_argument("--engine", choices=["auto", "dot", "matplotlib"], default="auto",
+                        help="who draws the PNGs: Graphviz if installed (auto), or matplotlib")
+    parser.add_argument("--post_norm", action="store_true",
+                        help="draw a post-norm block instead of GPT-2's pre-norm one")
+    args = parser.parse_args(argv)
+    for key, value in DEFAULTS.items():
+        setattr(args, key, getattr(args, key, value))
+    os.makedirs(args.out, exist_ok=True)
+    print(f"PNG engine: {'Graphviz dot' if args.engine != 'matplotlib' and mti.dot_available() else 'matplotlib'}")
+
+    loss, names = expression_graph()
+    print("\nloss = sum(tanh(w * x + b) ** 2), x a constant (no gradient, so not drawn):")
+    print(mti.to_dot(loss, names=names))
+    write(mti.build_graph(loss, names=names, title="loss = sum(tanh(w*x + b)^2)"),
+          args.out, "graph_expression", args.engine)
+
+    y, block, calls, names = block_graph(args, prenorm=not args.post_norm)
+    kind = "post-norm" if args.post_norm else "pre-norm"
+    print(f"\none {kind} TransformerBlock(n_embd={args.n_embd}, n_head={args.n_head}) on "
+          f"x of shape {tuple(names['x'].shape)}:")
+    write(mti.build_graph(y, module=block, calls=calls, names=names,
+                          title=f"one {kind} TransformerBlock, every op"),
+          args.out, "graph_block", args.engine)
+    print("\nthe same block, one box per submodule (collapse=True); the two AddBackward "
+          "left are the residual connections:")
+    write(mti.build_graph(y, module=block, calls=calls, names=names, collapse=True,
+                          title=f"one {kind} TransformerBlock, by module"),
+          args.out, "graph_block_collapsed", args.engine)
+
+
+if __name__ == "__main__":
+    main()

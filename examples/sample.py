@@ -1,0 +1,119 @@
+"""Generate text from a checkpoint written by train_char.py.
+
+    python examples/sample.py                              # newest checkpoint in out-char/
+    python examples/sample.py --prompt "The " --num_samples 3 --temperature 0.7
+    python examples/sample.py --ckpt out-char/ckpt_best.safetensors --top_p 0.9
+
+The prompt is printed first, then its continuation.
+"""
+import argparse
+import os
+import sys
+
+DEFAULTS = dict(
+    ckpt=None,            # a checkpoint file; None = the newest one in out_dir
+    out_dir="out-char",
+    prompt="",            # "" = start from a newline, as if at the start of a paragraph
+    max_new_tokens=500,
+    temperature=0.8,      # < 1 sharpens the distribution, > 1 flattens it
+    top_k=40,             # keep the k most likely characters; 0 = all
+    top_p=None,           # keep the smallest set with this total probability; None = all
+    seed=1337,
+    num_samples=1,
+    threads=None,
+)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="sample.py",
+                                description="Generate text from a train_char.py checkpoint.")
+
+    def option(name, type, help):
+        default = DEFAULTS[name]
+        shown = "none" if default is None else repr(default) if isinstance(default, str) else default
+        p.add_argument(f"--{name}", type=type, default=default, metavar=name.upper(),
+                       help=f"{help} (default: {shown})")
+
+    option("ckpt", str, "checkpoint file; none = the newest *.safetensors in --out_dir")
+    option("out_dir", str, "directory searched when --ckpt is not given")
+    option("prompt", str, "text to continue, printed before the continuation; "
+                          "empty = start at a new line")
+    option("max_new_tokens", int, "characters to generate per sample")
+    option("temperature", float, "sampling temperature (> 0)")
+    option("top_k", int, "sample among the k most likely characters; 0 = no limit")
+    option("top_p", float, "nucleus sampling: the smallest set of characters whose "
+                           "probabilities sum to top_p; none = no limit")
+    option("seed", int, "random seed")
+    option("num_samples", int, "number of samples")
+    option("threads", int, "threads for microtensor's kernels and BLAS; none = all cores")
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prog = parser.prog
+
+    def fail(message):
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if args.max_new_tokens < 0:
+        fail(f"--max_new_tokens must be at least 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        fail(f"--num_samples must be at least 1, got {args.num_samples}")
+    if not args.temperature > 0:
+        fail(f"--temperature must be positive, got {args.temperature}")
+    if args.top_k < 0:
+        fail(f"--top_k must be at least 0, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        fail(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.threads is not None:
+        if args.threads < 1:
+            fail(f"--threads must be at least 1, got {args.threads}")
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
+
+    import microtensor as mt
+    import chardata
+    from chardata import CharDataError
+
+    if args.threads is not None:
+        mt.set_num_threads(args.threads)
+        chardata.set_blas_threads(args.threads)
+
+    try:
+        path = args.ckpt or chardata.newest_checkpoint(args.out_dir)
+        model_state, _, info = chardata.load_checkpoint(path)
+        model = chardata.build_model(info["config"], model_state, source=f"checkpoint {path}")
+        tokenizer = chardata.CharTokenizer(info["vocab"])
+        prompt_ids = tokenizer.encode(args.prompt, what="prompt")
+    except CharDataError as e:
+        fail(str(e))
+
+    # an empty prompt starts at a new line (not printed): the model has seen plenty of those
+    context_ids = prompt_ids
+    if len(context_ids) == 0:
+        context_ids = tokenizer.encode("\n" if "\n" in tokenizer.stoi else tokenizer.chars[0])
+    block_size = info["config"]["block_size"]
+    context_ids = context_ids[-block_size:]  # the model sees at most block_size characters
+
+    mt.manual_seed(args.seed)
+    model.eval()
+    idx = mt.from_numpy(context_ids[None, :].copy())  # (1, T)
+    for i in range(args.num_samples):
+        with mt.no_grad():
+            out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
+                                 top_k=min(args.top_k, tokenizer.vocab_size) or None,
+                                 top_p=args.top_p)
+        continuation = tokenizer.decode(out.numpy()[0, len(context_ids):])
+        if i > 0:
+            print("-" * 40)
+        print(args.prompt + continuation)
+    return 0
+
+
+if __name__ == "__main__":
+    # the repository root, so that `python examples/sample.py` finds microtensor
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())

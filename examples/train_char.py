@@ -1,0 +1,477 @@
+"""Train a character-level GPT on a text file with microtensor.
+
+    python examples/train_char.py                     # Python's own docs, ~2 minutes on 2 cores
+    python examples/train_char.py --data input.txt --n_layer 4 --n_head 4 --n_embd 128
+    python examples/train_char.py --resume            # continue out-char/ckpt_last.safetensors
+    python examples/sample.py --prompt "The "         # generate from the newest checkpoint
+
+Reads top to bottom like nanoGPT's train.py: defaults, data, model, optimizer, then one
+loop that evaluates, checkpoints and steps. Ctrl-C stops after the current step and
+writes a checkpoint that --resume continues exactly.
+"""
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+# -----------------------------------------------------------------------------
+# Defaults. Every one can be overridden: --name value (see --help). They are sized so
+# that a run with no arguments trains for about two minutes on 2 CPU cores and then
+# writes mostly real words.
+DEFAULTS = dict(
+    # I/O
+    out_dir="out-char",      # checkpoints, metrics.csv and loss.png go here
+    eval_interval=100,       # evaluate, log and checkpoint every this many iterations
+    eval_iters=20,           # batches averaged per split for an evaluation
+    resume=False,            # continue from out_dir/ckpt_last.safetensors
+    # data
+    data=None,               # UTF-8 text file; None = Python's documentation (pydoc_data)
+    block_size=64,           # context length in characters
+    batch_size=16,           # sequences per micro-batch
+    grad_accum=1,            # micro-batches per optimizer step
+    # model (GPTConfig)
+    n_layer=3,
+    n_head=4,
+    n_embd=128,
+    dropout=0.0,
+    bias=True,
+    norm="layernorm",
+    pos="learned",
+    mlp="gelu",
+    prenorm=True,
+    tie_weights=True,
+    d_ff=None,               # MLP hidden width; None = GPTConfig's rule (4*n_embd, swiglu 8/3)
+    # optimizer: AdamW, warmup then cosine decay (nanoGPT's get_lr)
+    max_iters=600,
+    lr=2e-3,
+    min_lr=None,             # None = lr / 10
+    warmup_iters=50,
+    lr_decay_iters=None,     # None = max_iters
+    weight_decay=0.1,        # applied to 2-D weights only (matrices and embeddings)
+    beta1=0.9,
+    beta2=0.99,
+    grad_clip=1.0,           # 0 disables clipping
+    # system
+    seed=1337,
+    threads=None,            # None = microtensor's and BLAS's defaults (all cores)
+    sample_chars=500,        # length of the sample printed at the end (0 = none)
+)
+
+# options that fix the shape of the weights: --resume must not change them
+MODEL_SHAPE_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "bias", "norm", "pos",
+                    "mlp", "prenorm", "tie_weights", "d_ff")
+# options that describe this invocation, never taken from a checkpoint
+NOT_RESUMED_KEYS = ("out_dir", "resume", "threads")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="train_char.py",
+        description="Train a character-level GPT with microtensor. Defaults train on "
+                    "Python's documentation text for about two minutes on 2 CPU cores.",
+        # SUPPRESS: only options given on the command line appear in the result, so
+        # --resume can tell an explicit --n_embd (must match the checkpoint) from a default
+        argument_default=argparse.SUPPRESS,
+    )
+
+    def option(name, help, type=None, group=p, **kw):
+        default = DEFAULTS[name]
+        shown = "none" if default is None else default
+        if "choices" not in kw:  # argparse lists the choices itself
+            kw["metavar"] = name.upper()
+        group.add_argument(f"--{name}", type=type, help=f"{help} (default: {shown})", **kw)
+
+    def flag(name, help, group):
+        group.add_argument(f"--{name}", action=argparse.BooleanOptionalAction,
+                           help=f"{help} (default: {DEFAULTS[name]})")
+
+    io = p.add_argument_group("data and output")
+    option("data", "UTF-8 text file to train on; none = Python's documentation text "
+           "shipped with CPython (pydoc_data.topics)", str, io)
+    option("out_dir", "directory for checkpoints, metrics.csv and loss.png", str, io)
+    io.add_argument("--resume", action="store_true",
+                    help="continue the run in out_dir from ckpt_last.safetensors; settings "
+                         "not given on the command line come from the checkpoint "
+                         "(default: start afresh)")
+    option("eval_interval", "evaluate, log and checkpoint every N iterations", int, io)
+    option("eval_iters", "batches per split averaged for the train and val loss", int, io)
+    option("sample_chars", "characters of text sampled at the end (0: no sample)", int, io)
+
+    model = p.add_argument_group("model (GPTConfig)")
+    option("n_layer", "number of transformer blocks", int, model)
+    option("n_head", "attention heads per block", int, model)
+    option("n_embd", "embedding width (a multiple of n_head)", int, model)
+    option("block_size", "context length in characters", int, model)
+    option("dropout", "dropout probability during training", float, model)
+    option("norm", "normalisation layer", str, model, choices=["layernorm", "rmsnorm"])
+    option("pos", "position information", str, model,
+           choices=["learned", "sinusoidal", "rope", "none"])
+    option("mlp", "feed-forward type (swiglu has three matrices)", str, model,
+           choices=["gelu", "relu", "swiglu"])
+    option("d_ff", "hidden width of the feed-forward block; none = 4*n_embd, or for swiglu "
+           "8/3*n_embd rounded up to a multiple of 8 (about the same parameter count)",
+           int, model)
+    flag("prenorm", "normalise before attention/MLP (pre-norm) instead of after", model)
+    flag("bias", "biases in Linear and LayerNorm layers", model)
+    flag("tie_weights", "share the token embedding with the output layer", model)
+
+    train = p.add_argument_group("training (AdamW, warmup then cosine decay)")
+    option("batch_size", "sequences per micro-batch", int, train)
+    option("grad_accum", "micro-batches accumulated per optimizer step", int, train)
+    option("max_iters", "optimizer steps in total", int, train)
+    option("lr", "peak learning rate", float, train)
+    option("min_lr", "final learning rate; none = lr/10", float, train)
+    option("warmup_iters", "linear warmup steps", int, train)
+    option("lr_decay_iters", "step where the cosine decay reaches min_lr; none = max_iters",
+           int, train)
+    option("weight_decay", "AdamW weight decay on 2-D weights (biases and norms get none)",
+           float, train)
+    option("beta1", "AdamW beta1", float, train)
+    option("beta2", "AdamW beta2", float, train)
+    option("grad_clip", "clip the gradient norm to this value; 0 = no clipping", float, train)
+
+    system = p.add_argument_group("system")
+    option("seed", "seed for initialisation, dropout and batch sampling", int, system)
+    option("threads", "threads for microtensor's kernels and BLAS; none = all cores", int, system)
+    return p
+
+
+def get_lr(it, run):
+    """Linear warmup, cosine decay to min_lr at lr_decay_iters, then constant (nanoGPT)."""
+    lr, min_lr, warmup = run["lr"], run["min_lr"], run["warmup_iters"]
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it >= run["lr_decay_iters"]:
+        return min_lr
+    decay_ratio = (it - warmup) / (run["lr_decay_iters"] - warmup)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # 1 -> 0
+    return min_lr + coeff * (lr - min_lr)
+
+
+def main(argv=None):
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    prog = parser.prog
+
+    def fail(message):
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    # Threads first: OpenBLAS reads these when numpy is imported (a no-op when main()
+    # runs inside a process that already imported numpy; set_blas_threads covers that).
+    threads = given.get("threads", DEFAULTS["threads"])
+    if threads is not None:
+        if threads < 1:
+            fail(f"--threads must be at least 1, got {threads}")
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[var] = str(threads)
+
+    import numpy as np
+    from tqdm import tqdm
+    import microtensor as mt
+    import chardata
+    from chardata import CharDataError
+
+    if threads is not None:
+        mt.set_num_threads(threads)
+        chardata.set_blas_threads(threads)
+
+    # -------------------------------------------------------------------------
+    # settings: defaults < checkpoint (when resuming) < command line
+    out_dir = given.get("out_dir", DEFAULTS["out_dir"])
+    last_path = os.path.join(out_dir, "ckpt_last.safetensors")
+    best_path = os.path.join(out_dir, "ckpt_best.safetensors")
+    checkpoint = None
+    run = dict(DEFAULTS)
+    try:
+        if given.get("resume"):
+            if not os.path.exists(last_path):
+                fail(f"--resume: no checkpoint at {last_path}")
+            checkpoint = chardata.load_checkpoint(last_path)
+            saved = checkpoint[2]
+            for key in MODEL_SHAPE_KEYS:
+                if key in given and given[key] != saved["run"][key]:
+                    fail(f"--{key} {given[key]} does not match the checkpoint's {key}="
+                         f"{saved['run'][key]} ({last_path}); drop --{key} to resume, or "
+                         f"use another --out_dir for a new model")
+            run.update({k: v for k, v in saved["run"].items()
+                        if k in DEFAULTS and k not in NOT_RESUMED_KEYS})
+        run.update(given)
+    except CharDataError as e:
+        fail(str(e))
+    if run["data"] is not None:
+        run["data"] = os.path.abspath(run["data"])  # --resume may run from elsewhere
+    if run["min_lr"] is None:
+        run["min_lr"] = run["lr"] / 10
+    if run["lr_decay_iters"] is None:
+        run["lr_decay_iters"] = run["max_iters"]
+    for key in ("block_size", "batch_size", "grad_accum", "eval_interval", "eval_iters",
+                "n_layer", "n_head", "n_embd"):
+        if run[key] < 1:
+            fail(f"--{key} must be at least 1, got {run[key]}")
+    for key in ("max_iters", "warmup_iters", "sample_chars"):
+        if run[key] < 0:
+            fail(f"--{key} must be at least 0, got {run[key]}")
+    if not 0.0 <= run["dropout"] < 1.0:
+        fail(f"--dropout must be in [0, 1), got {run['dropout']}")
+
+    # the output directory must be writable before we spend minutes training
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        fail(f"cannot write to --out_dir {out_dir}: {e.strerror or e}")
+
+    # -------------------------------------------------------------------------
+    # data: characters -> ids, 90% train / 10% val
+    try:
+        text = chardata.load_corpus(run["data"])
+        data_name = run["data"] or "the default corpus (pydoc_data)"
+        if checkpoint is not None:
+            tokenizer = chardata.CharTokenizer(checkpoint[2]["vocab"])
+            if checkpoint[2].get("data_sha256") != chardata.text_fingerprint(text):
+                print(f"note: {data_name} differs from the text this checkpoint was trained on",
+                      file=sys.stderr)
+        else:
+            tokenizer = chardata.CharTokenizer.from_text(text)
+        ids = tokenizer.encode(text, what=f"data file {data_name}")
+        train_data, val_data = chardata.train_val_split(ids, run["block_size"], data_name)
+    except CharDataError as e:
+        fail(str(e))
+    splits = {"train": train_data, "val": val_data}
+    batch_rng = np.random.default_rng(run["seed"])  # the training batches
+
+    def get_batch(split, rng):
+        return chardata.get_batch(splits[split], run["block_size"], run["batch_size"], rng)
+
+    # -------------------------------------------------------------------------
+    # model and optimizer
+    from models import GPT, GPTConfig
+    import dataclasses
+    model_options = dict(vocab_size=tokenizer.vocab_size, block_size=run["block_size"],
+                         n_layer=run["n_layer"], n_head=run["n_head"], n_embd=run["n_embd"],
+                         dropout=run["dropout"], bias=run["bias"], norm=run["norm"],
+                         pos=run["pos"], mlp=run["mlp"], prenorm=run["prenorm"],
+                         tie_weights=run["tie_weights"], d_ff=run["d_ff"])
+    mt.manual_seed(run["seed"])
+    try:
+        config = GPTConfig(**model_options)
+        model = GPT(config)
+    except (ValueError, TypeError) as e:
+        fail(f"invalid model settings: {e}")
+
+    # weight decay on matrices and embeddings, none on biases and norm gains (nanoGPT)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    optimizer = mt.optim.AdamW(
+        [{"params": decay, "weight_decay": run["weight_decay"]},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=run["lr"], betas=(run["beta1"], run["beta2"]))
+
+    iter_num, best_val_loss = 0, float("inf")
+    if checkpoint is not None:
+        model_state, optimizer_state, saved = checkpoint
+        try:
+            model.load_state_dict(model_state)
+            optimizer.load_state_dict(optimizer_state)
+        except (KeyError, ValueError, RuntimeError) as e:
+            fail(f"checkpoint {last_path} does not fit this model: {e}")
+        iter_num, best_val_loss = saved["iter"], saved["best_val_loss"]
+        mt.set_rng_state(saved["mt_rng_state"])
+        batch_rng.bit_generator.state = saved["batch_rng_state"]
+        if iter_num > run["max_iters"]:
+            fail(f"the checkpoint is at iteration {iter_num}, beyond --max_iters "
+                 f"{run['max_iters']}; give a larger --max_iters to continue")
+    start_iter = iter_num
+    tokens_per_iter = run["batch_size"] * run["block_size"] * run["grad_accum"]
+    n_params = model.num_parameters()
+    print(f"{data_name}: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
+          f"{len(train_data):,} train / {len(val_data):,} val")
+    print(f"model: {n_params:,} parameters ({run['n_layer']} layers, {run['n_head']} heads, "
+          f"n_embd {run['n_embd']}, {run['norm']}, pos {run['pos']}, mlp {run['mlp']}); "
+          f"{tokens_per_iter:,} tokens per step; "
+          + (f"resuming at iteration {iter_num}" if checkpoint else f"{run['max_iters']} steps"))
+
+    # -------------------------------------------------------------------------
+    # evaluation, logging, checkpoints
+    def estimate_loss():
+        """Mean loss over eval_iters batches per split. The batches come from their own
+        generator, the same at every evaluation: the curve compares like with like, and
+        the training batches do not depend on how often we evaluate."""
+        eval_rng = np.random.default_rng([run["seed"], 1])
+        losses = {}
+        model.eval()
+        with mt.no_grad():
+            for split in ("train", "val"):
+                total = 0.0
+                for _ in range(run["eval_iters"]):
+                    if stop_requested:  # Ctrl-C: no need to finish a long evaluation
+                        model.train()
+                        return None
+                    x, y = get_batch(split, eval_rng)
+                    _, loss = model(x, y)
+                    total += loss.item()
+                losses[split] = total / run["eval_iters"]
+        model.train()
+        return losses
+
+    metrics_path = os.path.join(out_dir, "metrics.csv")
+    header = "iter,train_loss,val_loss,lr,tokens_per_sec\n"
+    rows = []  # (iter, train_loss, val_loss, lr, tokens_per_sec)
+    if checkpoint is not None and os.path.exists(metrics_path):
+        # keep the history up to the checkpoint; later rows belong to a lost future
+        with open(metrics_path) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split(",")
+                if len(fields) == 5 and int(fields[0]) <= iter_num:
+                    rows.append((int(fields[0]),) + tuple(float(v) for v in fields[1:]))
+    with open(metrics_path, "w") as f:
+        f.write(header)
+        f.writelines(f"{r[0]},{r[1]:.8g},{r[2]:.8g},{r[3]:.8g},{r[4]:.1f}\n" for r in rows)
+
+    def log_metrics(row):
+        rows.append(row)
+        with open(metrics_path, "a") as f:
+            f.write(f"{row[0]},{row[1]:.8g},{row[2]:.8g},{row[3]:.8g},{row[4]:.1f}\n")
+        plot_losses()
+
+    def plot_losses():
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        its = [r[0] for r in rows]
+        ax.plot(its, [r[1] for r in rows], marker=".", label="train")
+        ax.plot(its, [r[2] for r in rows], marker=".", label="val")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("loss (nats per character)")
+        ax.set_title(f"{os.path.basename(data_name)}: {n_params:,}-parameter char GPT")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        tmp_png = os.path.join(out_dir, ".loss.png.tmp.png")
+        fig.savefig(tmp_png, dpi=100)
+        plt.close(fig)
+        os.replace(tmp_png, os.path.join(out_dir, "loss.png"))
+
+    def save(path):
+        info = dict(
+            run=run, config=dataclasses.asdict(config), vocab=tokenizer.chars,
+            iter=iter_num, best_val_loss=best_val_loss,
+            mt_rng_state=json.loads(mt.get_rng_state()), batch_rng_state=batch_rng.bit_generator.state,
+            data_sha256=chardata.text_fingerprint(text))
+        try:
+            chardata.save_checkpoint(path, model, optimizer, info)
+        except OSError as e:
+            fail(f"cannot write checkpoint {path}: {e.strerror or e}")
+
+    # Ctrl-C asks the loop to stop at the next step boundary, so the checkpoint it writes
+    # is consistent (never half an optimizer step) and --resume continues exactly.
+    # A second Ctrl-C interrupts at once.
+    stop_requested = []
+
+    def request_stop(signum, frame):
+        stop_requested.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        tqdm.write("\ninterrupt: stopping after this step (Ctrl-C again to quit without saving)")
+
+    try:
+        previous_handler = signal.signal(signal.SIGINT, request_stop)
+    except ValueError:  # not the main thread: plain KeyboardInterrupt behaviour
+        previous_handler = None
+
+    # -------------------------------------------------------------------------
+    # the training loop
+    model.train()
+    progress = tqdm(total=run["max_iters"], initial=iter_num, unit="it", dynamic_ncols=True,
+                    disable=None)  # None: no bar when stdout is not a terminal
+    train_seconds, train_tokens = 0.0, 0   # since the last evaluation, for tokens/s
+    smoothed_tps = None
+    try:
+        while True:
+            if stop_requested:
+                save(last_path)
+                progress.close()
+                print(f"interrupted at iteration {iter_num}: saved {last_path}; "
+                      f"continue with --resume --out_dir {out_dir}")
+                return 130
+
+            lr = get_lr(iter_num, run)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            eval_due = iter_num % run["eval_interval"] == 0 or iter_num == run["max_iters"]
+            if eval_due and not (checkpoint is not None and iter_num == start_iter):
+                # (a resumed run already logged the evaluation at its checkpoint)
+                losses = estimate_loss()
+                if losses is None:
+                    continue
+                tps = train_tokens / train_seconds if train_seconds > 0 else 0.0
+                train_seconds, train_tokens = 0.0, 0
+                log_metrics((iter_num, losses["train"], losses["val"], lr, tps))
+                progress.write(f"iter {iter_num}: train loss {losses['train']:.4f}, "
+                               f"val loss {losses['val']:.4f}, lr {lr:.2e}, {tps:,.0f} tok/s")
+                if losses["val"] < best_val_loss:
+                    best_val_loss = losses["val"]
+                    save(best_path)
+                save(last_path)
+
+            if iter_num >= run["max_iters"]:
+                break
+
+            t0 = time.perf_counter()
+            for _ in range(run["grad_accum"]):
+                x, y = get_batch("train", batch_rng)
+                _, loss = model(x, y)
+                (loss / run["grad_accum"]).backward()  # gradients add up over micro-batches
+            if run["grad_clip"] > 0:
+                mt.nn.utils.clip_grad_norm_(params, run["grad_clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+
+            dt = time.perf_counter() - t0
+            train_seconds += dt
+            train_tokens += tokens_per_iter
+            tps = tokens_per_iter / dt
+            smoothed_tps = tps if smoothed_tps is None else 0.9 * smoothed_tps + 0.1 * tps
+            progress.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}",
+                                 tok_s=f"{smoothed_tps:,.0f}", refresh=False)
+            progress.update(1)
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"interrupted at iteration {iter_num}; no checkpoint written "
+              f"(the last one is {last_path})", file=sys.stderr)
+        return 130
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
+    progress.close()
+    print(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; "
+          f"checkpoints in {out_dir}/")
+
+    # -------------------------------------------------------------------------
+    # a sample from the final model
+    if run["sample_chars"] > 0:
+        mt.manual_seed(run["seed"])
+        start = "\n" if "\n" in tokenizer.stoi else tokenizer.chars[0]
+        idx = mt.from_numpy(tokenizer.encode(start)[None, :])   # (1, 1)
+        model.eval()
+        with mt.no_grad():
+            out = model.generate(idx, run["sample_chars"], temperature=0.8, top_k=40)
+        print(f"--- sample ({run['sample_chars']} characters, temperature 0.8, top_k 40) ---")
+        print(tokenizer.decode(out.numpy()[0, 1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    # the repository root, so that `python examples/train_char.py` finds microtensor
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())

@@ -1,0 +1,347 @@
+# cython: embedsignature=True, wraparound=True
+"""Fused scaled-dot-product attention: a forward/backward kernel pair.
+
+Shapes (the Python side flattens the batch dims into one BH axis and checks them):
+    q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv), out / dout (BH, Tq, hv)
+    lse (BH, Tq): the log-sum-exp of each row of scores, all backward keeps of softmax
+    mask (NM, Tq, Tk) additive float slabs, mask_index (BH,) picks the slab of each bh
+
+    S = scale * q @ k^T + mask         P = softmax_rows(S)        out = P @ v
+    dv = P^T @ dout     dP = dout @ v^T     dS = P * (dP - rowsum(P * dP))
+    dq = scale * dS @ k          dk = scale * dS^T @ q
+
+How it runs: threads take whole (b, h) pairs (prange over BH, no two threads ever write
+the same dk / dv). Inside one pair the query rows go in blocks of `block` rows; a block
+is one BLAS gemm for its scores (block, kmax), a row-wise softmax in place, and one gemm
+into out. Only that block of scores exists at any time (one buffer per thread, never
+the T x T matrix). Under is_causal, row i sees keys 0..i (top-left aligned, as torch),
+so the block of rows [i0, i1) needs only the first kmax = min(Tk, i1) keys: the gemms
+are trimmed to that and no work is spent on the masked upper triangle beyond the
+block's own diagonal. Backward recomputes P from the saved lse, block by block.
+
+Dropout on P (dropout_p > 0) draws its keep/drop decisions from a counter-based hash of
+(seed, bh, i, j), so backward regenerates the same mask without storing it.
+
+BLAS: scipy's Fortran gemm (cython_blas, callable without the GIL) does the matrix
+products. Fortran is column-major; a row-major matrix is its transpose there, so
+`gemm` below asks for C^T = op(B)^T op(A)^T: swap the operands, keep the flags.
+"""
+from cython.parallel cimport prange, parallel
+from libc.stdlib cimport malloc, free
+from libc.math cimport exp, expf, log, INFINITY
+from scipy.linalg.cython_blas cimport sgemm, dgemm
+cimport cython
+
+ctypedef fused real:
+    float
+    double
+
+cdef unsigned long long _GOLDEN = 0x9E3779B97F4A7C15
+cdef unsigned long long _MIX1 = 0xBF58476D1CE4E5B9
+cdef unsigned long long _MIX2 = 0x94D049BB133111EB
+
+
+# ---- BLAS threads ------------------------------------------------------------------
+# The kernels call gemm from inside an OpenMP parallel region, one (b, h) per thread.
+# A pthreads-built OpenBLAS (scipy's wheels) would then start its own threads as well:
+# oversubscription, and it warns that it "may hang". So for the length of a kernel call
+# scipy's OpenBLAS is set to one thread, and restored afterwards. scipy's wheels ship an
+# OpenBLAS of their own (numpy's is a different library), so numpy's matmul is untouched.
+# NOTE: openblas_set_num_threads_local is not per-thread in pthreads builds: not used.
+
+_blas_control = None       # (get_num_threads, set_num_threads) or False when not found
+
+
+def _find_blas_control():
+    """The ctypes get/set thread functions of the OpenBLAS behind scipy's cython_blas."""
+    import ctypes
+    import glob
+    import os
+    import scipy
+    import scipy.linalg.cython_blas       # make sure its BLAS is loaded (and in the maps)
+    scipy_dir = os.path.dirname(os.path.abspath(scipy.__file__))
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(None, 5)[-1]
+                if "openblas" in os.path.basename(path).lower() and "numpy" not in path:
+                    paths.append(path)
+    except OSError:
+        pass
+    paths += glob.glob(os.path.join(scipy_dir + ".libs", "*openblas*"))
+    paths += glob.glob(os.path.join(scipy_dir, ".dylibs", "*openblas*"))
+    for path in dict.fromkeys(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas_", ""), ("scipy_openblas_", "64_"), ("openblas_", "")):
+            get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+            put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+            if get is not None and put is not None:
+                get.restype = ctypes.c_int
+                put.argtypes = [ctypes.c_int]
+                return get, put
+    return False
+
+
+cdef int _blas_enter(int num_threads):
+    """Before a kernel: BLAS to one thread. Returns the previous BLAS thread count, or -1
+    when BLAS threads cannot be controlled (then the kernel runs on one thread).
+
+    NOTE: also with num_threads == 1: many small gemms each split over BLAS threads
+    spend more time waking and joining them than multiplying."""
+    global _blas_control
+    if _blas_control is None:
+        _blas_control = _find_blas_control()
+    if _blas_control is False:
+        return -1
+    get, put = _blas_control
+    prev = get()
+    if prev != 1:
+        put(1)
+    return prev
+
+
+cdef _blas_exit(int prev):
+    if prev > 1:
+        _blas_control[1](prev)
+
+
+def blas_thread_control_found():
+    """True when the BLAS threads can be pinned during a kernel (else kernels use one thread)."""
+    global _blas_control
+    if _blas_control is None:
+        _blas_control = _find_blas_control()
+    return _blas_control is not False
+
+
+cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,
+                      const real* A, int lda, const real* B, int ldb, real beta,
+                      real* C, int ldc) noexcept nogil:
+    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C;  op(A) (M, K), op(B) (K, N)."""
+    if real is float:
+        sgemm(&transb, &transa, &N, &M, &K, &alpha, <float*>B, &ldb, <float*>A, &lda,
+              &beta, C, &ldc)
+    else:
+        dgemm(&transb, &transa, &N, &M, &K, &alpha, <double*>B, &ldb, <double*>A, &lda,
+              &beta, C, &ldc)
+
+
+cdef inline real _exp(real x) noexcept nogil:
+    if real is float:
+        return expf(x)
+    else:
+        return exp(x)
+
+
+cdef inline double _uniform(unsigned long long seed, unsigned long long counter) noexcept nogil:
+    """A uniform number in [0, 1) from (seed, counter): the splitmix64 finaliser."""
+    cdef unsigned long long z = seed + (counter + 1) * _GOLDEN
+    z = (z ^ (z >> 30)) * _MIX1
+    z = (z ^ (z >> 27)) * _MIX2
+    z = z ^ (z >> 31)
+    return <double>(z >> 11) * (1.0 / 9007199254740992.0)
+
+
+cdef inline Py_ssize_t _min(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return a if a < b else b
+
+
+@cython.wraparound(False)
+def attention_dropout_mask(real[:, :, ::1] keep, unsigned long long seed, double dropout_p):
+    """(BH, Tq, Tk) keep = 1/(1-p) where the kernels keep P[bh, i, j], else 0
+    (the same draws as attention_forward/backward; for tests and references)"""
+    cdef Py_ssize_t bh, i, j, BH = keep.shape[0], Tq = keep.shape[1], Tk = keep.shape[2]
+    cdef real scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
+    with nogil:
+        for bh in range(BH):
+            for i in range(Tq):
+                for j in range(Tk):
+                    if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                        keep[bh, i, j] = scale
+                    else:
+                        keep[bh, i, j] = 0
+
+
+cdef inline void _scores_block(real* S, const real* qb, const real* kb, const real* mrow0,
+                               Py_ssize_t i0, Py_ssize_t nb, Py_ssize_t kmax, Py_ssize_t Tk,
+                               int hs, real scale, bint has_mask, bint is_causal) noexcept nogil:
+    """S (nb, kmax) = scale * q[i0:i0+nb] @ k[:kmax]^T + mask[i0:i0+nb, :kmax], with the
+    causally masked entries (j > i) set to -inf."""
+    cdef Py_ssize_t r, j, i, ncol
+    cdef real* row
+    gemm(c'N', c'T', <int>nb, <int>kmax, hs, scale, qb, hs, kb, hs, <real>0, S, <int>kmax)
+    for r in range(nb):
+        i = i0 + r
+        row = S + r * kmax
+        ncol = _min(i + 1, Tk) if is_causal else kmax
+        if has_mask:
+            for j in range(ncol):
+                row[j] = row[j] + mrow0[i * Tk + j]
+        for j in range(ncol, kmax):
+            row[j] = -INFINITY
+
+
+@cython.wraparound(False)
+def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
+                      const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
+                      const real[:, :, ::1] mask, const long long[::1] mask_index,
+                      bint has_mask, bint is_causal, double scale, double dropout_p,
+                      unsigned long long seed, int block, int num_threads):
+    """q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv) -> out (BH, Tq, hv), lse (BH, Tq):
+    out = softmax(scale * q @ k^T + mask) @ v,  lse = logsumexp of each row of scores
+
+    NOTE: a row with every key masked gets P = 0 (out = 0) and lse = +inf, so that
+    backward's exp(S - lse) is 0 there too (torch also returns 0 for such rows)."""
+    cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
+    cdef int hs = <int>q.shape[2], hv = <int>v.shape[2]
+    cdef Py_ssize_t bh, blk, i0, nb, kmax, r, i, j
+    cdef real* S = NULL                                  # per-thread block of scores
+    cdef real* row
+    cdef const real* mrow0
+    cdef real mx, e
+    cdef double ssum, inv
+    cdef real sc = <real>scale
+    cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
+    cdef int prev_blas = _blas_enter(num_threads)
+    if prev_blas < 0:
+        num_threads = 1
+    try:
+        with nogil, parallel(num_threads=num_threads):
+            S = <real*>malloc(block * Tk * sizeof(real))
+            for bh in prange(BH, schedule="static"):
+                mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
+                for blk in range((Tq + block - 1) // block):
+                    i0 = blk * block
+                    nb = _min(block, Tq - i0)
+                    kmax = _min(Tk, i0 + nb) if is_causal else Tk
+                    _scores_block(S, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
+                                  sc, has_mask, is_causal)
+                    for r in range(nb):                       # softmax of each row, in place
+                        i = i0 + r
+                        row = S + r * kmax
+                        mx = -INFINITY
+                        for j in range(kmax):
+                            if row[j] > mx:
+                                mx = row[j]
+                        if mx == -INFINITY:
+                            for j in range(kmax):
+                                row[j] = 0
+                            lse[bh, i] = INFINITY
+                            continue
+                        ssum = 0
+                        for j in range(kmax):
+                            e = _exp(row[j] - mx)
+                            row[j] = e
+                            ssum = ssum + e
+                        inv = 1.0 / ssum
+                        for j in range(kmax):
+                            row[j] = <real>(row[j] * inv)
+                        lse[bh, i] = <real>(mx + log(ssum))
+                        if dropout_p > 0:
+                            for j in range(kmax):
+                                if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                                    row[j] = row[j] * keep_scale
+                                else:
+                                    row[j] = 0
+                    # out[i0:i0+nb] = P (nb, kmax) @ v[:kmax] (kmax, hv)
+                    gemm(c'N', c'N', <int>nb, hv, <int>kmax, <real>1, S, <int>kmax, &v[bh, 0, 0], hv,
+                         <real>0, &out[bh, i0, 0], hv)
+            free(S)
+    finally:
+        _blas_exit(prev_blas)
+
+
+@cython.wraparound(False)
+def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv,
+                       const real[:, :, ::1] dout,
+                       const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
+                       const real[:, ::1] lse,
+                       const real[:, :, ::1] mask, const long long[::1] mask_index,
+                       bint has_mask, bint is_causal, double scale, double dropout_p,
+                       unsigned long long seed, int block, int num_threads):
+    """dout (BH, Tq, hv) -> dq (BH, Tq, hs) written, dk (BH, Tk, hs) and dv (BH, Tk, hv)
+    accumulated (+=; the caller zeroes them):
+    P = exp(S - lse) (recomputed),  Pd = P * dropout_keep,  dv += Pd^T @ dout,
+    dP = (dout @ v^T) * dropout_keep,  dS = P * (dP - rowsum(P * dP)),
+    dq = scale * dS @ k,  dk += scale * dS^T @ q"""
+    cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
+    cdef int hs = <int>q.shape[2], hv = <int>v.shape[2]
+    cdef Py_ssize_t bh, blk, i0, nb, kmax, r, i, j
+    cdef real* P = NULL                                  # per-thread blocks: P, dP -> dS,
+    cdef real* dP = NULL                                 # and P after dropout
+    cdef real* Pd = NULL
+    cdef real* prow
+    cdef real* dprow
+    cdef real* pdrow
+    cdef const real* mrow0
+    cdef real l, m
+    cdef double D
+    cdef real sc = <real>scale
+    cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
+    cdef int prev_blas = _blas_enter(num_threads)
+    if prev_blas < 0:
+        num_threads = 1
+    try:
+        with nogil, parallel(num_threads=num_threads):
+            P = <real*>malloc(block * Tk * sizeof(real))
+            dP = <real*>malloc(block * Tk * sizeof(real))
+            Pd = <real*>malloc(block * Tk * sizeof(real)) if dropout_p > 0 else P
+            for bh in prange(BH, schedule="static"):
+                mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
+                for blk in range((Tq + block - 1) // block):
+                    i0 = blk * block
+                    nb = _min(block, Tq - i0)
+                    kmax = _min(Tk, i0 + nb) if is_causal else Tk
+                    _scores_block(P, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
+                                  sc, has_mask, is_causal)
+                    for r in range(nb):                       # P = exp(S - lse), in place
+                        l = lse[bh, i0 + r]
+                        prow = P + r * kmax
+                        for j in range(kmax):
+                            prow[j] = _exp(prow[j] - l)
+                    if dropout_p > 0:
+                        for r in range(nb):
+                            i = i0 + r
+                            prow = P + r * kmax
+                            pdrow = Pd + r * kmax
+                            for j in range(kmax):
+                                if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                                    pdrow[j] = prow[j] * keep_scale
+                                else:
+                                    pdrow[j] = 0
+                    # dv[:kmax] += Pd^T (kmax, nb) @ dout[i0:i0+nb] (nb, hv)
+                    gemm(c'T', c'N', <int>kmax, hv, <int>nb, <real>1, Pd, <int>kmax,
+                         &dout[bh, i0, 0], hv, <real>1, &dv[bh, 0, 0], hv)
+                    # dP (nb, kmax) = dout[i0:i0+nb] @ v[:kmax]^T
+                    gemm(c'N', c'T', <int>nb, <int>kmax, hv, <real>1, &dout[bh, i0, 0], hv,
+                         &v[bh, 0, 0], hv, <real>0, dP, <int>kmax)
+                    for r in range(nb):                       # dS = scale * P * (dP - D), in place
+                        i = i0 + r
+                        prow = P + r * kmax
+                        dprow = dP + r * kmax
+                        if dropout_p > 0:
+                            for j in range(kmax):
+                                if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                                    dprow[j] = dprow[j] * keep_scale
+                                else:
+                                    dprow[j] = 0
+                        D = 0
+                        for j in range(kmax):
+                            D = D + prow[j] * dprow[j]
+                        for j in range(kmax):
+                            dprow[j] = sc * prow[j] * (dprow[j] - <real>D)
+                    # dq[i0:i0+nb] = dS (nb, kmax) @ k[:kmax] (kmax, hs)
+                    gemm(c'N', c'N', <int>nb, hs, <int>kmax, <real>1, dP, <int>kmax, &k[bh, 0, 0], hs,
+                         <real>0, &dq[bh, i0, 0], hs)
+                    # dk[:kmax] += dS^T (kmax, nb) @ q[i0:i0+nb] (nb, hs)
+                    gemm(c'T', c'N', <int>kmax, hs, <int>nb, <real>1, dP, <int>kmax, &q[bh, i0, 0], hs,
+                         <real>1, &dk[bh, 0, 0], hs)
+            free(P)
+            free(dP)
+            if dropout_p > 0:
+                free(Pd)
+    finally:
+        _blas_exit(prev_blas)

@@ -1,0 +1,94 @@
+"""nn.init: fill a tensor in place, without recording a graph.
+
+Every function writes straight into `t._data` (so it also works on parameters that
+require grad, as torch's init runs under no_grad) and returns `t`. Random values come
+from microtensor's generator, so `mt.manual_seed` makes them reproducible.
+"""
+import math
+
+import numpy as np
+
+from microtensor import _core
+from microtensor._core import Tensor
+
+__all__ = ["calculate_gain", "normal_", "uniform_", "zeros_", "ones_", "constant_",
+           "xavier_uniform_", "xavier_normal_"]
+
+
+def _check(t):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"nn.init expects a Tensor, got {type(t).__name__}")
+    return t
+
+
+def _fill_random(t, values):
+    # sampled in float64 and rounded once into the tensor's dtype
+    t._data[...] = values
+    return t
+
+
+def normal_(tensor, mean=0.0, std=1.0):
+    """t ~ N(mean, std^2), in place."""
+    _check(tensor)
+    if std < 0:
+        raise ValueError(f"normal_: std must be non-negative, got {std}")
+    return _fill_random(tensor, _core.default_generator().normal(mean, std, tensor.shape))
+
+
+def uniform_(tensor, a=0.0, b=1.0):
+    """t ~ U(a, b), in place."""
+    _check(tensor)
+    if a > b:
+        raise ValueError(f"uniform_: expected a <= b, got a={a}, b={b}")
+    return _fill_random(tensor, _core.default_generator().uniform(a, b, tensor.shape))
+
+
+def constant_(tensor, val):
+    _check(tensor)._data[...] = val
+    return tensor
+
+
+def zeros_(tensor):
+    return constant_(tensor, 0)
+
+
+def ones_(tensor):
+    return constant_(tensor, 1)
+
+
+def _fans(tensor):
+    """(fan_in, fan_out) of a weight (out, in, *kernel), as torch computes them."""
+    if tensor.ndim < 2:
+        raise ValueError("Fan in and fan out can not be computed for tensor with fewer than "
+                         f"2 dimensions (got shape {tensor.shape})")
+    receptive = int(np.prod(tensor.shape[2:])) if tensor.ndim > 2 else 1
+    return tensor.shape[1] * receptive, tensor.shape[0] * receptive
+
+
+def calculate_gain(nonlinearity, param=None):
+    """The recommended gain for an activation (torch's table)."""
+    if nonlinearity in ("linear", "conv1d", "conv2d", "conv3d", "sigmoid"):
+        return 1.0
+    if nonlinearity == "tanh":
+        return 5.0 / 3
+    if nonlinearity == "relu":
+        return math.sqrt(2.0)
+    if nonlinearity == "leaky_relu":
+        slope = 0.01 if param is None else param
+        return math.sqrt(2.0 / (1 + slope ** 2))
+    if nonlinearity == "selu":
+        return 3.0 / 4
+    raise ValueError(f"unsupported nonlinearity {nonlinearity}")
+
+
+def xavier_uniform_(tensor, gain=1.0):
+    """t ~ U(-a, a) with a = gain * sqrt(6 / (fan_in + fan_out))."""
+    fan_in, fan_out = _fans(_check(tensor))
+    a = gain * math.sqrt(6.0 / (fan_in + fan_out))
+    return uniform_(tensor, -a, a)
+
+
+def xavier_normal_(tensor, gain=1.0):
+    """t ~ N(0, std^2) with std = gain * sqrt(2 / (fan_in + fan_out))."""
+    fan_in, fan_out = _fans(_check(tensor))
+    return normal_(tensor, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)))

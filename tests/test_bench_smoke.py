@@ -1,0 +1,189 @@
+"""The benchmark scripts run end to end (tiny settings, nothing timed is asserted), and
+the training step they time is the right computation: the same seed gives the same
+loss curve, float32 follows float64, and PyTorch with the same weights and batches
+gives the same curve."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+
+import bench_train  # noqa: E402
+
+
+def run_script(name, *args):
+    """Run benchmarks/<name> with args; return its stdout (fails on a non-zero exit)."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, name), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def last_json(stdout):
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def pydoc_text():
+    from pydoc_data.topics import topics
+    return "".join(topics.values())
+
+
+# ---- the scripts run and print their tables ---------------------------------------------
+
+def test_bench_ops_core_runs():
+    out = run_script("bench_ops.py", "--only", "core", "--repeats", "1", "--min-time", "0",
+                     "--threads", "1", "--json")
+    assert "| a @ b" in out and "mt fwd+bwd" in out
+    rec = last_json(out)
+    names = {(r["op"], r["size"].split()[0]) for r in rec["results"]}
+    assert names == {(op, size) for op in ("a + b", "a * b", "a.exp()", "a @ b", "a.sum()")
+                     for size in ("small", "large")}
+    for r in rec["results"]:
+        assert r["seconds"]["microtensor/fwd"] > 0 and r["seconds"]["numpy/fwd"] > 0
+        assert r["seconds"]["microtensor/fwd+bwd"] > 0
+
+
+def test_bench_ops_fused_runs_and_agrees_with_torch():
+    out = run_script("bench_ops.py", "--only", "fused", "--models", "char", "--repeats", "1",
+                     "--min-time", "0", "--threads", "1", "--json")
+    rec = last_json(out)
+    assert {r["op"] for r in rec["results"]} == {
+        "softmax(-1)", "layer_norm", "cross_entropy", "gelu", "causal attention"}
+    for r in rec["results"]:
+        assert r["seconds"]["microtensor/fwd+bwd"] > 0, r
+        if r["max_rel_diff_vs_torch"] is not None:  # torch installed
+            assert r["max_rel_diff_vs_torch"] < 1e-4, r
+
+
+def test_bench_matmul_runs():
+    out = run_script("bench_matmul.py", "--configs", "tiny", "--square", "64", "--repeats", "1",
+                     "--min-time", "0", "--threads", "1", "--json")
+    assert "all products of one step" in out
+    rec = last_json(out)
+    tiny = rec["configs"]["tiny"]
+    # the listed products add up to the closed-form FLOP count of bench_train's docstring
+    cfg = bench_train.C.CONFIGS["tiny"]
+    B, T, C, L, V = (cfg["batch_size"], cfg["block_size"], cfg["n_embd"], cfg["n_layer"],
+                     rec["vocab_size"])
+    M = B * T
+    assert tiny["step_gflop"] * 1e9 == pytest.approx(
+        3 * (L * (24 * M * C * C + 4 * B * T * T * C) + 2 * M * C * V))
+    assert tiny["ceiling"]["numpy"]["gflops"] > 0
+
+
+def test_bench_train_runs():
+    out = run_script("bench_train.py", "--config", "tiny", "--steps", "2", "--warmup", "0",
+                     "--rounds", "1", "--threads", "1", "--json")
+    assert "ms/step (median)" in out
+    rec = last_json(out)
+    (res,) = rec["results"]
+    mt_res = res["engines"]["microtensor"]
+    assert mt_res["ms_median"] > 0 and mt_res["tokens_per_s"] > 0
+    assert np.isfinite(mt_res["last_loss"])
+    if "torch" in res["engines"]:
+        # same weights, same batches: the first loss is the same number
+        assert mt_res["first_losses"][0] == pytest.approx(
+            res["engines"]["torch"]["first_losses"][0], rel=1e-5)
+
+
+def test_bench_train_profile_runs():
+    out = run_script("bench_train.py", "--config", "tiny", "--profile", "--profile-steps", "1",
+                     "--threads", "1", "--no-torch", "--json")
+    rec = last_json(out)
+    (prof,) = rec["profile"]
+    ops = {(o["region"], o["op"]) for o in prof["ops"]}
+    # forward ops and backward nodes of the model both show up
+    assert ("forward", "F.linear") in ops and ("backward", "LinearBackward") in ops
+    assert ("forward", "F.layer_norm") in ops and ("backward", "LayerNormBackward") in ops
+    assert set(prof["regions"]) >= {"forward", "backward", "optimizer"}
+    fwd = prof["regions"]["forward"]
+    assert 0 < fwd["ops_ms"] <= fwd["wall_ms"]
+
+
+def test_bench_train_memory_runs():
+    out = run_script("bench_train.py", "--config", "tiny", "--memory", "--steps", "1",
+                     "--threads", "1", "--json")
+    rec = last_json(out)
+    m = rec["memory"]["tiny"]["microtensor"]
+    assert m["peak_rss"] >= m["rss_before_model"] > 10 * 2**20
+
+
+# ---- the profiler ---------------------------------------------------------------------------
+
+def test_profiler_counts_ops_and_restores():
+    import microtensor as mt
+    from microtensor import _core
+    from microtensor.profiler import Profiler
+    original_add = _core.add
+    a = mt.randn(4, 3, requires_grad=True)
+    b = mt.randn(3, 2, requires_grad=True)
+    with Profiler() as prof:
+        with prof.region("forward"):
+            y = ((a @ b).exp() + 1.0).sum()
+        with prof.region("backward"):
+            y.backward()
+    ops, regions = prof.summary()
+    calls = {(r, op): c for r, op, c, _ in ops}
+    assert calls[("forward", "matmul")] == 1 and calls[("forward", "exp")] == 1
+    assert calls[("forward", "add")] == 1 and calls[("forward", "sum")] == 1
+    assert calls[("backward", "MatmulBackward")] == 1
+    assert regions["forward"]["ops_ms"] <= regions["forward"]["wall_ms"]
+    # everything is put back
+    assert _core.add is original_add and mt.add is original_add
+    x = mt.ones(2, requires_grad=True)
+    (x * 2).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, 2.0])
+
+
+def test_threads_helper_sets_blas_threads():
+    from microtensor.threads import blas_info, get_blas_threads, set_blas_threads
+    libs = blas_info()
+    if not libs:
+        pytest.skip("numpy does not use OpenBLAS here")
+    before = get_blas_threads()
+    try:
+        assert set_blas_threads(1) >= 1
+        assert get_blas_threads() == 1
+        assert libs[0]["corename"]
+    finally:
+        set_blas_threads(before)
+    with pytest.raises(ValueError):
+        set_blas_threads(0)
+
+
+# ---- the timed step computes the right thing -------------------------------------------------
+
+TINY = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, batch_size=4)
+
+
+def test_same_seed_same_loss_curve():
+    text = pydoc_text()
+    a = bench_train.loss_curve(TINY, 5, seed=3, text=text)
+    b = bench_train.loss_curve(TINY, 5, seed=3, text=text)
+    assert a == b
+    c = bench_train.loss_curve(TINY, 5, seed=4, text=text)
+    assert a != c
+    assert a[-1] < a[0]  # it learns
+
+
+def test_float32_curve_follows_float64():
+    text = pydoc_text()
+    f32 = np.array(bench_train.loss_curve(TINY, 5, seed=1, text=text))
+    f64 = np.array(bench_train.loss_curve(TINY, 5, seed=1, text=text, dtype="float64"))
+    np.testing.assert_allclose(f32, f64, rtol=2e-5)
+
+
+def test_loss_curve_equals_torch():
+    torch = pytest.importorskip("torch")
+    text = pydoc_text()
+    for dtype, rtol in (("float64", 1e-10), ("float32", 2e-5)):
+        mine = bench_train.loss_curve(TINY, 5, seed=2, text=text, dtype=dtype)
+        theirs = bench_train.loss_curve(TINY, 5, seed=2, text=text, dtype=dtype,
+                                        engine="torch", torch=torch)
+        np.testing.assert_allclose(mine, theirs, rtol=rtol, err_msg=dtype)

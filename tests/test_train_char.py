@@ -1,0 +1,288 @@
+"""examples/train_char.py and examples/sample.py end to end, on 50 KB of Python's docs
+with a tiny model: the loss falls, --resume (also after Ctrl-C) replays an uninterrupted
+run exactly, checkpoints sample, and bad input gets a one-line error."""
+import collections
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+for path in (ROOT, EXAMPLES):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import chardata      # noqa: E402
+import microtensor as mt  # noqa: E402
+import sample        # noqa: E402
+import train_char    # noqa: E402
+
+# --threads 1: small matrices gain nothing from a second thread, and on a busy machine
+# threads that wait for each other make every op many times slower
+TINY_MODEL = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "32",
+              "--batch_size", "8", "--threads", "1"]
+
+
+def run_main(module, argv):
+    """main(argv) in-process -> (exit code, stdout, stderr); thread settings restored."""
+    threads, blas_threads = mt.get_num_threads(), chardata.get_blas_threads()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = module.main(argv)
+        except SystemExit as e:
+            code = e.code
+        finally:
+            mt.set_num_threads(threads)
+            if blas_threads is not None:
+                chardata.set_blas_threads(blas_threads)
+    return code, out.getvalue(), err.getvalue()
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def losses(rows):
+    return np.array([[float(r["iter"]), float(r["train_loss"]), float(r["val_loss"]),
+                      float(r["lr"])] for r in rows])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs50k.txt"
+    path.write_text(chardata.load_corpus(None)[:50_000], encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("out"))
+    code, stdout, stderr = run_main(train_char, [
+        "--data", corpus, "--out_dir", out_dir, *TINY_MODEL, "--n_embd", "64",
+        "--batch_size", "16", "--max_iters", "300", "--eval_interval", "100",
+        "--eval_iters", "8", "--lr", "3e-3", "--warmup_iters", "20", "--sample_chars", "80"])
+    assert code == 0, stderr
+    return out_dir, stdout
+
+
+def test_loss_falls_well_below_the_unigram_baseline(corpus, trained):
+    out_dir, stdout = trained
+    text = open(corpus, encoding="utf-8").read()
+    counts = np.array(list(collections.Counter(text).values()), dtype=np.float64)
+    p = counts / counts.sum()
+    unigram_entropy = -(p * np.log(p)).sum()  # the best loss without context, ~3.2 nats
+
+    rows = read_metrics(out_dir)
+    assert [int(r["iter"]) for r in rows] == [0, 100, 200, 300]
+    first, last = losses(rows)[0], losses(rows)[-1]
+    vocab_size = len(set(text))
+    assert abs(first[1] - math.log(vocab_size)) < 0.5  # an untrained model is ~uniform
+    assert last[2] < unigram_entropy - 0.5, (last, unigram_entropy)
+    assert last[1] < unigram_entropy - 0.5
+    assert "--- sample" in stdout and "val loss" in stdout
+
+
+def test_outputs_checkpoint_plot_and_metadata(trained):
+    out_dir, _ = trained
+    with open(os.path.join(out_dir, "loss.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    header = open(os.path.join(out_dir, "metrics.csv")).readline().strip()
+    assert header == "iter,train_loss,val_loss,lr,tokens_per_sec"
+    assert all(float(r["tokens_per_sec"]) > 0 for r in read_metrics(out_dir)[1:])
+
+    # a plain safetensors file: the model's weights under nanoGPT's names
+    from safetensors.numpy import load_file
+    tensors = load_file(os.path.join(out_dir, "ckpt_last.safetensors"))
+    assert tensors["transformer.wte.weight"].shape[1] == 64
+    assert "transformer.h.0.attn.c_attn.weight" in tensors
+    model_state, optimizer_state, info = chardata.load_checkpoint(
+        os.path.join(out_dir, "ckpt_last.safetensors"))
+    assert info["iter"] == 300
+    assert info["config"]["n_embd"] == 64 and len(info["vocab"]) == info["config"]["vocab_size"]
+    assert info["best_val_loss"] == pytest.approx(min(float(r["val_loss"])
+                                                      for r in read_metrics(out_dir)))
+    # weight decay on the 2-D weights only
+    decays = [g["weight_decay"] for g in optimizer_state["param_groups"]]
+    assert decays == [0.1, 0.0]
+    model = chardata.build_model(info["config"], model_state)
+    n_matrices = sum(1 for p in model.parameters() if p.ndim >= 2)
+    assert len(optimizer_state["param_groups"][0]["params"]) == n_matrices
+    assert len(optimizer_state["param_groups"][1]["params"]) == len(list(model.parameters())) - n_matrices
+
+
+def test_get_lr_warms_up_then_decays_to_min_lr():
+    run = dict(lr=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    lrs = [train_char.get_lr(it, run) for it in range(130)]
+    assert lrs[0] == pytest.approx(1 / 11) and lrs[9] == pytest.approx(10 / 11)
+    assert lrs[10] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.55)               # halfway down the cosine
+    assert all(a >= b for a, b in zip(lrs[10:110], lrs[11:111]))
+    assert lrs[110] == lrs[129] == pytest.approx(0.1)
+
+
+def test_resume_replays_an_uninterrupted_run(corpus, tmp_path):
+    # dropout > 0 makes the run depend on microtensor's RNG state as well as the sampler's
+    common = ["--data", corpus, *TINY_MODEL, "--dropout", "0.1", "--eval_interval", "10",
+              "--eval_iters", "2", "--warmup_iters", "5", "--lr_decay_iters", "40",
+              "--sample_chars", "0"]
+    whole, halves = str(tmp_path / "whole"), str(tmp_path / "halves")
+    assert run_main(train_char, [*common, "--out_dir", whole, "--max_iters", "40"])[0] == 0
+    assert run_main(train_char, [*common, "--out_dir", halves, "--max_iters", "20"])[0] == 0
+    # (--threads is a property of the machine, not of the run: it is not resumed, and
+    # the weights agree bit for bit only with the same thread count)
+    code, stdout, stderr = run_main(train_char, ["--resume", "--out_dir", halves,
+                                                 "--max_iters", "40", "--threads", "1"])
+    assert code == 0, stderr
+    assert "resuming at iteration 20" in stdout
+
+    expected, got = losses(read_metrics(whole)), losses(read_metrics(halves))
+    assert got[:, 0].tolist() == [0, 10, 20, 30, 40]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+    a = chardata.load_checkpoint(os.path.join(whole, "ckpt_last.safetensors"))[0]
+    b = chardata.load_checkpoint(os.path.join(halves, "ckpt_last.safetensors"))[0]
+    for key in a:
+        np.testing.assert_array_equal(b[key].numpy(), a[key].numpy(), err_msg=key)
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
+    out_dir = str(tmp_path / "interrupted")
+    common = ["--data", corpus, *TINY_MODEL, "--eval_interval", "10", "--eval_iters", "2",
+              "--warmup_iters", "5", "--lr_decay_iters", "200", "--sample_chars", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(EXAMPLES, "train_char.py"), *common,
+         "--out_dir", out_dir, "--max_iters", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        metrics = os.path.join(out_dir, "metrics.csv")
+        while time.time() < deadline:   # wait until it has trained past an evaluation
+            if os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 3:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "interrupted at iteration" in stdout and "--resume" in stdout
+    stopped_at = chardata.load_checkpoint(os.path.join(out_dir, "ckpt_last.safetensors"))[2]["iter"]
+    assert stopped_at >= 10
+
+    end = str(stopped_at + 10)
+    code, _, stderr = run_main(train_char, ["--resume", "--out_dir", out_dir,
+                                            "--max_iters", end, "--threads", "1"])
+    assert code == 0, stderr
+    reference = str(tmp_path / "reference")
+    assert run_main(train_char, [*common, "--out_dir", reference, "--max_iters", end])[0] == 0
+    expected, got = losses(read_metrics(reference)), losses(read_metrics(out_dir))
+    assert got[:, 0].tolist() == expected[:, 0].tolist()
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+
+
+def test_sample_continues_the_prompt(trained):
+    out_dir, _ = trained
+    ckpt = os.path.join(out_dir, "ckpt_best.safetensors")
+    argv = ["--ckpt", ckpt, "--threads", "1", "--prompt", "The ", "--max_new_tokens", "60",
+            "--seed", "3"]
+    code, stdout, stderr = run_main(sample, argv)
+    assert code == 0, stderr
+    assert stdout.startswith("The ") and len(stdout) == len("The ") + 60 + 1
+    assert run_main(sample, argv)[1] == stdout               # the seed fixes the text
+    assert run_main(sample, argv[:-1] + ["4"])[1] != stdout
+
+    # the newest checkpoint in --out_dir; several samples; top_p; a prompt longer than block_size
+    long_prompt = "return " * 10
+    code, stdout, stderr = run_main(sample, [
+        "--out_dir", out_dir, "--threads", "1", "--prompt", long_prompt, "--max_new_tokens", "20",
+        "--num_samples", "2", "--top_p", "0.9", "--temperature", "1.2"])
+    assert code == 0, stderr
+    first, second = stdout.split("-" * 40 + "\n")
+    assert first.startswith(long_prompt) and second.startswith(long_prompt)
+    assert len(first) == len(second) == len(long_prompt) + 20 + 1
+
+
+def expect_error(module, argv, *fragments):
+    code, stdout, stderr = run_main(module, argv)
+    assert code == 2, (stdout, stderr)
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{module.__name__}.py: error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_missing_empty_undecodable_or_short_data(tmp_path):
+    out = ["--out_dir", str(tmp_path / "out")]
+    missing = str(tmp_path / "missing.txt")
+    expect_error(train_char, ["--data", missing, *out], "not found", missing)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    expect_error(train_char, ["--data", str(empty), *out], "empty", str(empty))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    expect_error(train_char, ["--data", str(latin1), *out], "not UTF-8", "0xe9")
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 300)
+    expect_error(train_char, ["--data", str(short), "--block_size", "64", *out],
+                 "300 characters", "block_size + 1 = 65", "--block_size")
+    expect_error(train_char, ["--data", str(tmp_path), *out], "directory")
+
+
+def test_unwritable_out_dir(corpus, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    bad = str(a_file / "out")
+    expect_error(train_char, ["--data", corpus, "--out_dir", bad], "cannot write to --out_dir", bad)
+
+
+def test_resume_with_another_shape_names_the_mismatch(trained, tmp_path):
+    out_dir, _ = trained
+    expect_error(train_char, ["--resume", "--out_dir", out_dir, "--n_embd", "48"],
+                 "--n_embd 48", "n_embd=64")
+    expect_error(train_char, ["--resume", "--out_dir", out_dir, "--pos", "rope"],
+                 "--pos rope", "pos=learned")
+    expect_error(train_char, ["--resume", "--out_dir", str(tmp_path)],
+                 "no checkpoint", "ckpt_last.safetensors")
+    expect_error(train_char, ["--n_embd", "30", "--n_head", "4", "--out_dir", str(tmp_path)],
+                 "n_embd=30", "n_head=4")
+
+
+def test_sample_errors(trained, tmp_path):
+    out_dir, _ = trained
+    ckpt = os.path.join(out_dir, "ckpt_last.safetensors")
+    # the 50 KB of docs have no 'é' and no snowman; both are named
+    expect_error(sample, ["--ckpt", ckpt, "--prompt", "Café ☃"], "prompt",
+                 "'é' (U+00E9)", "'☃' (U+2603)")
+    expect_error(sample, ["--out_dir", str(tmp_path)], "no checkpoint", str(tmp_path))
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(open(ckpt, "rb").read()[:1000])
+    expect_error(sample, ["--ckpt", str(damaged)], "cannot read checkpoint", str(damaged))
+    expect_error(sample, ["--ckpt", str(tmp_path / "nope.safetensors")], "not found")
+    expect_error(sample, ["--ckpt", ckpt, "--temperature", "0"], "--temperature")
+
+
+def test_help_explains_every_option():
+    code, stdout, _ = run_main(train_char, ["--help"])
+    assert code == 0
+    for name in ["n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "lr",
+                 "min_lr", "warmup_iters", "weight_decay", "grad_clip", "dropout",
+                 "eval_interval", "eval_iters", "seed", "out_dir", "resume", "threads", "norm",
+                 "pos", "mlp", "prenorm", "bias", "tie_weights", "data", "grad_accum", "d_ff"]:
+        assert f"--{name}" in stdout, name
+    assert stdout.count("(default:") >= 28
+    code, stdout, _ = run_main(sample, ["--help"])
+    assert code == 0 and "--top_p" in stdout and "--num_samples" in stdout
