@@ -231,6 +231,9 @@ def load_checkpoint(path):
         optimizer_state = _unflatten(json.loads(metadata["optimizer"]), tensors)
     except (ValueError, KeyError) as e:
         raise CharDataError(f"checkpoint {path} has damaged metadata: {e}") from None
+    missing = [k for k in ("run", "config", "vocab", "iter") if k not in info]
+    if missing:
+        raise CharDataError(f"checkpoint {path} has damaged metadata: no {', '.join(missing)}")
     model_state = {k: v for k, v in tensors.items() if not k.startswith("optimizer/")}
     return model_state, optimizer_state, info
 

@@ -12,11 +12,16 @@ from it, otherwise microtensor draws the layered graph itself with matplotlib.
 """
 import argparse
 import os
+import sys
 
-import microtensor as mt
-from microtensor import inspect as mti
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, REPO)  # microtensor and models, when run as python examples/...
 
-DEFAULTS = dict(out="docs/img", n_embd=16, n_head=2, seq_len=4, seed=0)
+import microtensor as mt  # noqa: E402
+from microtensor import inspect as mti  # noqa: E402
+
+DEFAULTS = dict(out=os.path.join(REPO, "docs", "img"), n_embd=16, n_head=2, seq_len=4,
+                seed=0)
 
 
 def expression_graph():
@@ -54,7 +59,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Draw the computation graph of a tiny "
                                      "expression and of one Transformer block (DOT + PNG).")
     parser.add_argument("--out", default=DEFAULTS["out"], help="output directory "
-                        "(default: %(default)s)")
+                        "(default: docs/img in the repository)")
     parser.add_argument("--engine", choices=["auto", "dot", "matplotlib"], default="auto",
                         help="who draws the PNGs: Graphviz if installed (auto), or matplotlib")
     parser.add_argument("--post_norm", action="store_true",
@@ -63,7 +68,8 @@ def main(argv=None):
     for key, value in DEFAULTS.items():
         setattr(args, key, getattr(args, key, value))
     os.makedirs(args.out, exist_ok=True)
-    print(f"PNG engine: {'Graphviz dot' if args.engine != 'matplotlib' and mti.dot_available() else 'matplotlib'}")
+    use_dot = args.engine != "matplotlib" and mti.dot_available()
+    print(f"PNG engine: {'Graphviz dot' if use_dot else 'matplotlib'}")
 
     loss, names = expression_graph()
     print("\nloss = sum(tanh(w * x + b) ** 2), x a constant (no gradient, so not drawn):")
@@ -76,7 +82,8 @@ def main(argv=None):
     print(f"\none {kind} TransformerBlock(n_embd={args.n_embd}, n_head={args.n_head}) on "
           f"x of shape {tuple(names['x'].shape)}:")
     write(mti.build_graph(y, module=block, calls=calls, names=names,
-                          title=f"one {kind} TransformerBlock, every op"),
+                          title=f"one {kind} TransformerBlock, every op "
+                                "(orange: skip connections)"),
           args.out, "graph_block", args.engine)
     print("\nthe same block, one box per submodule (collapse=True); the two AddBackward "
           "left are the residual connections:")

@@ -23,7 +23,12 @@ import time
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+import sys  # noqa: E402
+
 import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, REPO)  # microtensor and models, when run as python examples/...
 
 import microtensor as mt  # noqa: E402
 from microtensor import inspect as mti  # noqa: E402
@@ -31,7 +36,7 @@ from microtensor import inspect as mti  # noqa: E402
 # -----------------------------------------------------------------------------
 # Defaults (--quick shrinks them; see QUICK)
 DEFAULTS = dict(
-    out="docs/img",
+    out=os.path.join(REPO, "docs", "img"),
     scalar_depth=20,                             # experiment 1: depths 1..20
     depths=[2, 4, 8, 12, 16, 24, 32, 48],        # experiment 2: stack depths
     n_embd=64, n_head=4, block_size=64,          # model width and context (both 2 and 3)
@@ -39,7 +44,7 @@ DEFAULTS = dict(
     train_layers=6,                              # experiment 3: the deep model
     shallow_layers=2,                            # experiment 3: pre/post-norm, shallow
     train_iters=300,
-    lr=3e-3,
+    lr=1e-3,
     seed=1337,
 )
 QUICK = dict(depths=[2, 4, 8, 16], block_size=32, train_iters=150)
@@ -203,8 +208,12 @@ def experiment_depth(args, plt, train, vocab_size):
           + (f"from block {collapsed[0]} on every position holds the same vector to 1 part in "
              "1000 (bottom right), so the model can no longer tell its inputs apart; "
              if collapsed else f"the spread falls to {min(off['spread']):.1e}; ")
-          + f"and at {deepest} blocks the first block's weights get {ratio(off['params']):.1e} "
-          "of the last block's gradient.")
+          + (f"and at {deepest} blocks the first block's weights get only "
+             f"{ratio(off['params']):.1e} of the last block's gradient."
+             if ratio(off['params']) < 0.1 else
+             f"the weight gradients have not shrunk yet at {deepest} blocks (first/last "
+             f"{ratio(off['params']):.2f}); deeper stacks (the full run goes to 48) show "
+             "whether they vanish."))
     print(f"\n[{paths[1]}] With GPT-2's initialisation (small output projections, so each "
           "block starts close to the identity) both placements start flat: post-norm's "
           f"blocks 1-{deepest - 1} get weight gradients from {min(post['params'][1:]):.2g} to "
@@ -296,6 +305,8 @@ def experiment_training(args, plt, train, val, vocab_size):
         f"{shallow} blocks, pre-norm, residual": (shallow, True, True),
         f"{shallow} blocks, post-norm, residual": (shallow, True, False),
     }
+    counts = np.bincount(train, minlength=vocab_size) / len(train)
+    unigram = float(-(counts[counts > 0] * np.log(counts[counts > 0])).sum())
     results = {}
     print(f"{'run':<36}{'train loss (last 10%)':>22}{'val loss':>10}{'time':>8}")
     for label, (n_layer, residual, prenorm) in runs.items():
@@ -315,6 +326,7 @@ def experiment_training(args, plt, train, val, vocab_size):
             ax.plot(losses, color=color, alpha=0.2, lw=0.6)
             ax.plot(range(k - 1, len(losses)), smooth(losses, k), color=color,
                     label=label.split(", ", 1)[1])
+        ax.axhline(unigram, color="gray", lw=0.6, ls=":")
         ax.set_xlabel("step")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
@@ -325,14 +337,28 @@ def experiment_training(args, plt, train, val, vocab_size):
     fig.tight_layout()
     path = save(fig, args.out, "training.png")
     final = {label: tail(results[label][0]) for label in labels}
+    left = {label: escape_step(results[label][0], unigram, k) for label in labels}
     print(f"\n[{path}] Same budget, one change per panel. Left: without residuals the "
           f"{deep}-block model ends at {final[labels[1]]:.2f} nats/char against "
           f"{final[labels[0]]:.2f} with them. Middle: at {deep} blocks post-norm ends at "
-          f"{final[labels[2]]:.2f}, pre-norm at {final[labels[0]]:.2f}. Right: at {shallow} "
+          f"{final[labels[2]]:.2f}, pre-norm at {final[labels[0]]:.2f}; pre-norm leaves the "
+          f"plateau {describe_step(left[labels[0]])}, post-norm "
+          f"{describe_step(left[labels[2]])}. Right: at {shallow} "
           f"blocks the placement of the norm matters less ({final[labels[4]]:.2f} post vs "
-          f"{final[labels[3]]:.2f} pre). A flat curve near 3.2 is the model predicting "
-          "character frequencies only, ignoring its input.")
+          f"{final[labels[3]]:.2f} pre). The dotted line, {unigram:.2f} nats/char, is the "
+          "entropy of the character frequencies: a curve stuck there is a model that "
+          "predicts how common each character is and ignores its input.")
     return results
+
+
+def escape_step(losses, plateau, k):
+    """The first step where the smoothed loss is 0.15 nats below the plateau, or None."""
+    below = np.nonzero(smooth(losses, k) < plateau - 0.15)[0]
+    return int(below[0]) + k - 1 if len(below) else None
+
+
+def describe_step(step):
+    return "never (within this budget)" if step is None else f"at step {step}"
 
 
 def tail(losses):
@@ -356,13 +382,15 @@ def parse_args(argv=None):
         description="Gradient flow through deep stacks, with and without residual "
                     "connections: tables on stdout, pictures in --out.")
     parser.add_argument("--out", default=DEFAULTS["out"], help="directory for the PNGs "
-                        "(default: %(default)s)")
+                        "(default: docs/img in the repository)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smaller study (depths up to 16, 60 training steps): < 1 min")
+                        help="a smaller study (depths up to 16, 150 training steps): < 1 min")
     parser.add_argument("--depths", type=int, nargs="+", help="stack depths for experiment 2 "
                         f"(default: {DEFAULTS['depths']})")
     parser.add_argument("--train_iters", type=int, help="training steps per run in "
                         f"experiment 3 (default: {DEFAULTS['train_iters']})")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate in experiment 3 "
+                        f"(default: {DEFAULTS['lr']:g})")
     parser.add_argument("--skip", choices=["scalar", "depth", "training"], nargs="+",
                         default=[], help="experiments to leave out")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])

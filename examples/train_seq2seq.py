@@ -31,12 +31,12 @@ DEFAULTS = dict(
     d_ff=(256, "MLP hidden width"),
     dropout=(0.0, "fresh random data every step: nothing to regularise against"),
     batch_size=(64, "strings per step"),
-    steps=(2000, "at most this many steps (stops earlier at target_acc)"),
-    lr=(2e-3, "peak learning rate of AdamW"),
+    steps=(2500, "at most this many steps (stops earlier at target_acc)"),
+    lr=(1e-3, "peak learning rate of AdamW"),
     warmup=(100, "linear warmup steps (post-norm Transformers need one)"),
     weight_decay=(0.01, "AdamW weight decay"),
     eval_interval=(100, "steps between validation checks"),
-    target_acc=(0.998, "stop once the validation exact match reaches this"),
+    target_acc=(1.0, "stop once the validation exact match reaches this"),
     threads=(1, "threads for microtensor's kernels and BLAS; this model's matrices are "
                 "small, and on a busy machine a second thread costs more than it gives"),
 )

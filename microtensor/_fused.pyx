@@ -12,44 +12,19 @@ zeroes and then sums over threads.
 
 Naming follows llm.c: `layernorm_forward(out, mean, rstd, inp, weight, bias, ...)`,
 `layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, ...)`.
+Inner loops are written as maps over one row (out[j] = f(in[j])) and reductions through
+row_sum / row_max / row_dot, the shapes gcc vectorises (see _fused_math.pxi).
 """
-from cython.parallel cimport prange
-from libc.math cimport exp, expf, log, sqrt, erf, erff, tanh, tanhf, INFINITY
+from cython.parallel cimport prange, parallel
+from libc.stdlib cimport malloc, free
 cimport cython
 
-ctypedef fused real:
-    float
-    double
+include "_fused_math.pxi"
 
 cdef double SQRT_2_OVER_PI = 0.7978845608028654
 cdef double INV_SQRT_2 = 0.7071067811865476
 cdef double INV_SQRT_2PI = 0.3989422804014327
 cdef double GELU_C = 0.044715
-
-
-cdef inline real _exp(real x) noexcept nogil:
-    if real is float:
-        return expf(x)
-    else:
-        return exp(x)
-
-
-cdef inline real _erf(real x) noexcept nogil:
-    if real is float:
-        return erff(x)
-    else:
-        return erf(x)
-
-
-cdef inline real _tanh(real x) noexcept nogil:
-    if real is float:
-        return tanhf(x)
-    else:
-        return tanh(x)
-
-
-cdef inline Py_ssize_t _min(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    return a if a < b else b
 
 
 # ---- layer norm ------------------------------------------------------------------
@@ -61,23 +36,21 @@ def layernorm_forward(real[:, ::1] out, real[::1] mean, real[::1] rstd,
     """(R, N) rows -> out (R, N), mean (R,), rstd (R,):
     out = (inp - mean) * rstd * weight + bias,  rstd = 1 / sqrt(var + eps)
 
-    NOTE: the row statistics accumulate in double, also for float32 input."""
+    NOTE: two passes (mean, then squared deviations), partial sums added in double:
+    float32 rows with a large offset keep their variance."""
     cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
-    cdef double m, v, d, s
+    cdef const real* x
+    cdef real* o
+    cdef real m, s
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
-        m = 0
+        x = &inp[r, 0]
+        o = &out[r, 0]
+        m = <real>(row_sum(x, N) / N)
+        s = <real>(1.0 / sqrt(row_sum_sq_dev(x, m, N) / N + eps))
         for j in range(N):
-            m = m + inp[r, j]
-        m = m / N
-        v = 0
-        for j in range(N):
-            d = inp[r, j] - m
-            v = v + d * d
-        s = 1.0 / sqrt(v / N + eps)
-        for j in range(N):
-            out[r, j] = <real>((inp[r, j] - m) * s) * weight[j] + bias[j]
-        mean[r] = <real>m
-        rstd[r] = <real>s
+            o[j] = (x[j] - m) * s * weight[j] + bias[j]
+        mean[r] = m
+        rstd[r] = s
 
 
 @cython.wraparound(False)
@@ -85,35 +58,46 @@ def layernorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, real[:, ::1] dbi
                        const real[:, ::1] dout, const real[:, ::1] inp,
                        const real[::1] weight, const real[::1] mean, const real[::1] rstd,
                        int num_threads):
-    """(R, N) rows; dweight, dbias (P, N): one partial sum per row chunk (P chunks):
+    """(R, N) rows; dweight, dbias (P, N): one partial sum per chunk of rows (P chunks):
     xhat = (inp - mean) * rstd,  dnorm = dout * weight,
     dinp = rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)),
     dweight[p] += sum_rows(dout * xhat),  dbias[p] += sum_rows(dout)"""
     cdef Py_ssize_t c, r, j, r0, r1, R = inp.shape[0], N = inp.shape[1]
     cdef Py_ssize_t P = dweight.shape[0]
     cdef Py_ssize_t rows_per = (R + P - 1) // P
-    cdef double a, b, xhat, dnorm, mu, s
-    for c in prange(P, nogil=True, num_threads=num_threads, schedule="static"):
-        r0 = c * rows_per
-        r1 = _min(R, r0 + rows_per)
-        for r in range(r0, r1):
-            mu = mean[r]
-            s = rstd[r]
-            a = 0
-            b = 0
-            for j in range(N):
-                xhat = (inp[r, j] - mu) * s
-                dnorm = dout[r, j] * weight[j]
-                a = a + dnorm
-                b = b + dnorm * xhat
-            a = a / N
-            b = b / N
-            for j in range(N):
-                xhat = (inp[r, j] - mu) * s
-                dnorm = dout[r, j] * weight[j]
-                dbias[c, j] = dbias[c, j] + dout[r, j]
-                dweight[c, j] = dweight[c, j] + <real>(dout[r, j] * xhat)
-                dinp[r, j] = <real>((dnorm - a - xhat * b) * s)
+    cdef real* xhat = NULL                                # per-thread rows of scratch
+    cdef real* dnorm = NULL
+    cdef const real* x
+    cdef const real* g
+    cdef real* dx
+    cdef real* dw
+    cdef real* db
+    cdef real mu, s, a, b
+    with nogil, parallel(num_threads=num_threads):
+        xhat = <real*>malloc(N * sizeof(real))
+        dnorm = <real*>malloc(N * sizeof(real))
+        for c in prange(P, schedule="static"):
+            dw = &dweight[c, 0]
+            db = &dbias[c, 0]
+            r0 = c * rows_per
+            r1 = imin(R, r0 + rows_per)
+            for r in range(r0, r1):
+                x = &inp[r, 0]
+                g = &dout[r, 0]
+                dx = &dinp[r, 0]
+                mu = mean[r]
+                s = rstd[r]
+                for j in range(N):
+                    xhat[j] = (x[j] - mu) * s
+                    dnorm[j] = g[j] * weight[j]
+                a = <real>(row_sum(dnorm, N) / N)
+                b = <real>(row_dot(dnorm, xhat, N) / N)
+                for j in range(N):
+                    dx[j] = (dnorm[j] - a - xhat[j] * b) * s
+                    dw[j] = dw[j] + g[j] * xhat[j]
+                    db[j] = db[j] + g[j]
+        free(xhat)
+        free(dnorm)
 
 
 # ---- RMS norm --------------------------------------------------------------------
@@ -124,15 +108,16 @@ def rmsnorm_forward(real[:, ::1] out, real[::1] rstd, const real[:, ::1] inp,
     """(R, N) rows -> out (R, N), rstd (R,):  out = inp * rstd * weight,
     rstd = 1 / sqrt(mean(inp^2) + eps)"""
     cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
-    cdef double v, s
+    cdef const real* x
+    cdef real* o
+    cdef real s
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
-        v = 0
+        x = &inp[r, 0]
+        o = &out[r, 0]
+        s = <real>(1.0 / sqrt(row_dot(x, x, N) / N + eps))
         for j in range(N):
-            v = v + <double>inp[r, j] * inp[r, j]
-        s = 1.0 / sqrt(v / N + eps)
-        for j in range(N):
-            out[r, j] = <real>(inp[r, j] * s) * weight[j]
-        rstd[r] = <real>s
+            o[j] = x[j] * s * weight[j]
+        rstd[r] = s
 
 
 @cython.wraparound(False)
@@ -144,20 +129,34 @@ def rmsnorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, const real[:, ::1]
     cdef Py_ssize_t c, r, j, r0, r1, R = inp.shape[0], N = inp.shape[1]
     cdef Py_ssize_t P = dweight.shape[0]
     cdef Py_ssize_t rows_per = (R + P - 1) // P
-    cdef double b, xhat, s
-    for c in prange(P, nogil=True, num_threads=num_threads, schedule="static"):
-        r0 = c * rows_per
-        r1 = _min(R, r0 + rows_per)
-        for r in range(r0, r1):
-            s = rstd[r]
-            b = 0
-            for j in range(N):
-                b = b + dout[r, j] * weight[j] * (inp[r, j] * s)
-            b = b / N
-            for j in range(N):
-                xhat = inp[r, j] * s
-                dweight[c, j] = dweight[c, j] + <real>(dout[r, j] * xhat)
-                dinp[r, j] = <real>((dout[r, j] * weight[j] - xhat * b) * s)
+    cdef real* xhat = NULL
+    cdef real* dnorm = NULL
+    cdef const real* x
+    cdef const real* g
+    cdef real* dx
+    cdef real* dw
+    cdef real s, b
+    with nogil, parallel(num_threads=num_threads):
+        xhat = <real*>malloc(N * sizeof(real))
+        dnorm = <real*>malloc(N * sizeof(real))
+        for c in prange(P, schedule="static"):
+            dw = &dweight[c, 0]
+            r0 = c * rows_per
+            r1 = imin(R, r0 + rows_per)
+            for r in range(r0, r1):
+                x = &inp[r, 0]
+                g = &dout[r, 0]
+                dx = &dinp[r, 0]
+                s = rstd[r]
+                for j in range(N):
+                    xhat[j] = x[j] * s
+                    dnorm[j] = g[j] * weight[j]
+                b = <real>(row_dot(dnorm, xhat, N) / N)
+                for j in range(N):
+                    dx[j] = (dnorm[j] - xhat[j] * b) * s
+                    dw[j] = dw[j] + g[j] * xhat[j]
+        free(xhat)
+        free(dnorm)
 
 
 # ---- GELU and SiLU (flat, elementwise) -------------------------------------------
@@ -166,21 +165,23 @@ def rmsnorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, const real[:, ::1]
 def gelu_forward(real[::1] out, const real[::1] inp, int num_threads):
     """(n,) -> (n,):  out = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))"""
     cdef Py_ssize_t i, n = inp.shape[0]
-    cdef real x
+    cdef real x, z
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
-        out[i] = <real>0.5 * x * (1 + _erf(x * <real>INV_SQRT_2))
+        z = (x if x >= 0 else -x) * <real>INV_SQRT_2
+        out[i] = x * normal_cdf_from(x, z, vexp(-z * z))
 
 
 @cython.wraparound(False)
 def gelu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp, int num_threads):
     """(n,):  dinp = dout * (Phi(x) + x phi(x)),  phi(x) = exp(-x^2/2) / sqrt(2 pi)"""
     cdef Py_ssize_t i, n = inp.shape[0]
-    cdef real x
+    cdef real x, z, e
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
-        dinp[i] = dout[i] * (<real>0.5 * (1 + _erf(x * <real>INV_SQRT_2))
-                             + x * <real>INV_SQRT_2PI * _exp(<real>-0.5 * x * x))
+        z = (x if x >= 0 else -x) * <real>INV_SQRT_2
+        e = vexp(-z * z)                                  # exp(-x^2 / 2)
+        dinp[i] = dout[i] * (normal_cdf_from(x, z, e) + x * <real>INV_SQRT_2PI * e)
 
 
 @cython.wraparound(False)
@@ -190,7 +191,7 @@ def gelu_tanh_forward(real[::1] out, const real[::1] inp, int num_threads):
     cdef real x
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
-        out[i] = <real>0.5 * x * (1 + _tanh(<real>SQRT_2_OVER_PI * (x + <real>GELU_C * x * x * x)))
+        out[i] = <real>0.5 * x * (1 + vtanh(<real>SQRT_2_OVER_PI * (x + <real>GELU_C * x * x * x)))
 
 
 @cython.wraparound(False)
@@ -202,17 +203,17 @@ def gelu_tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp
     cdef real x, t
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
-        t = _tanh(<real>SQRT_2_OVER_PI * (x + <real>GELU_C * x * x * x))
+        t = vtanh(<real>SQRT_2_OVER_PI * (x + <real>GELU_C * x * x * x))
         dinp[i] = dout[i] * (<real>0.5 * (1 + t) + <real>0.5 * x * (1 - t * t)
                              * <real>SQRT_2_OVER_PI * (1 + <real>(3 * GELU_C) * x * x))
 
 
 @cython.wraparound(False)
 def silu_forward(real[::1] out, const real[::1] inp, int num_threads):
-    """(n,) -> (n,):  out = x * sigmoid(x)   (exp(-x) may overflow to inf: x/inf = -0, fine)"""
+    """(n,) -> (n,):  out = x * sigmoid(x) = x / (1 + e^-x)   (e^-x = inf gives -0, fine)"""
     cdef Py_ssize_t i, n = inp.shape[0]
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
-        out[i] = inp[i] / (1 + _exp(-inp[i]))
+        out[i] = inp[i] / (1 + vexp(-inp[i]))
 
 
 @cython.wraparound(False)
@@ -221,7 +222,7 @@ def silu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp, int
     cdef Py_ssize_t i, n = inp.shape[0]
     cdef real s
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
-        s = 1 / (1 + _exp(-inp[i]))
+        s = 1 / (1 + vexp(-inp[i]))
         dinp[i] = dout[i] * s * (1 + inp[i] * (1 - s))
 
 
@@ -235,26 +236,29 @@ def crossentropy_forward(real[::1] losses, real[::1] lse, const real[:, ::1] log
     lse = logsumexp(x),  loss = (1 - eps) (lse - x[t]) + eps (lse - mean(x)),
     loss = 0 where t == ignore_index.  Stable: exp(x - max) never overflows."""
     cdef Py_ssize_t r, j, M = logits.shape[0], C = logits.shape[1]
-    cdef double m, s, total, l
+    cdef const real* x
+    cdef real* e = NULL                                   # per-thread row of exp(x - max)
+    cdef real m
+    cdef double l
     cdef long long t
-    for r in prange(M, nogil=True, num_threads=num_threads, schedule="static"):
-        m = -INFINITY
-        total = 0
-        for j in range(C):
-            if logits[r, j] > m:
-                m = logits[r, j]
-            total = total + logits[r, j]
-        s = 0
-        for j in range(C):
-            s = s + exp(logits[r, j] - m)
-        l = m + log(s)
-        lse[r] = <real>l
-        t = targets[r]
-        if t == ignore_index:
-            losses[r] = 0
-        else:
-            losses[r] = <real>((1 - label_smoothing) * (l - logits[r, t])
-                               + label_smoothing * (l - total / C))
+    with nogil, parallel(num_threads=num_threads):
+        e = <real*>malloc(C * sizeof(real))
+        for r in prange(M, schedule="static"):
+            x = &logits[r, 0]
+            m = row_max(x, C)
+            for j in range(C):
+                e[j] = vexp(x[j] - m)
+            l = m + log(row_sum(e, C))
+            lse[r] = <real>l
+            t = targets[r]
+            if t == ignore_index:
+                losses[r] = 0
+            elif label_smoothing > 0:
+                losses[r] = <real>((1 - label_smoothing) * (l - x[t])
+                                   + label_smoothing * (l - row_sum(x, C) / C))
+            else:
+                losses[r] = <real>(l - x[t])
+        free(e)
 
 
 @cython.wraparound(False)
@@ -265,20 +269,24 @@ def crossentropy_backward(real[:, ::1] dlogits, const real[::1] dlosses,
     """(M, C):  dlogits = dloss * (softmax(x) - (1 - eps) onehot(t) - eps / C),
     softmax recomputed as exp(x - lse);  0 on ignored rows"""
     cdef Py_ssize_t r, j, M = logits.shape[0], C = logits.shape[1]
+    cdef const real* x
+    cdef real* dx
     cdef real g, l, off
     cdef long long t
     for r in prange(M, nogil=True, num_threads=num_threads, schedule="static"):
+        x = &logits[r, 0]
+        dx = &dlogits[r, 0]
         t = targets[r]
         if t == ignore_index:
             for j in range(C):
-                dlogits[r, j] = 0
-            continue
-        g = dlosses[r]
-        l = lse[r]
-        off = <real>(label_smoothing / C)
-        for j in range(C):
-            dlogits[r, j] = g * (_exp(logits[r, j] - l) - off)
-        dlogits[r, t] = dlogits[r, t] - g * <real>(1 - label_smoothing)
+                dx[j] = 0
+        else:
+            g = dlosses[r]
+            l = lse[r]
+            off = <real>(label_smoothing / C)
+            for j in range(C):
+                dx[j] = g * (vexp(x[j] - l) - off)
+            dx[t] = dx[t] - g * <real>(1 - label_smoothing)
 
 
 # ---- embedding -------------------------------------------------------------------
@@ -309,7 +317,7 @@ def embedding_backward(real[:, ::1] dweight, const real[:, ::1] dout, const long
     cdef long long row
     for c in prange(P, nogil=True, num_threads=num_threads, schedule="static"):
         j0 = c * cols_per
-        j1 = _min(D, j0 + cols_per)
+        j1 = imin(D, j0 + cols_per)
         for i in range(M):
             row = ids[i]
             for j in range(j0, j1):

@@ -28,13 +28,10 @@ products. Fortran is column-major; a row-major matrix is its transpose there, so
 """
 from cython.parallel cimport prange, parallel
 from libc.stdlib cimport malloc, free
-from libc.math cimport exp, expf, log, INFINITY
 from scipy.linalg.cython_blas cimport sgemm, dgemm
 cimport cython
 
-ctypedef fused real:
-    float
-    double
+include "_fused_math.pxi"
 
 cdef unsigned long long _GOLDEN = 0x9E3779B97F4A7C15
 cdef unsigned long long _MIX1 = 0xBF58476D1CE4E5B9
@@ -129,13 +126,6 @@ cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,
               &beta, C, &ldc)
 
 
-cdef inline real _exp(real x) noexcept nogil:
-    if real is float:
-        return expf(x)
-    else:
-        return exp(x)
-
-
 cdef inline double _uniform(unsigned long long seed, unsigned long long counter) noexcept nogil:
     """A uniform number in [0, 1) from (seed, counter): the splitmix64 finaliser."""
     cdef unsigned long long z = seed + (counter + 1) * _GOLDEN
@@ -143,10 +133,6 @@ cdef inline double _uniform(unsigned long long seed, unsigned long long counter)
     z = (z ^ (z >> 27)) * _MIX2
     z = z ^ (z >> 31)
     return <double>(z >> 11) * (1.0 / 9007199254740992.0)
-
-
-cdef inline Py_ssize_t _min(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    return a if a < b else b
 
 
 @cython.wraparound(False)
@@ -176,7 +162,7 @@ cdef inline void _scores_block(real* S, const real* qb, const real* kb, const re
     for r in range(nb):
         i = i0 + r
         row = S + r * kmax
-        ncol = _min(i + 1, Tk) if is_causal else kmax
+        ncol = imin(i + 1, Tk) if is_causal else kmax
         if has_mask:
             for j in range(ncol):
                 row[j] = row[j] + mrow0[i * Tk + j]
@@ -197,12 +183,12 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
     backward's exp(S - lse) is 0 there too (torch also returns 0 for such rows)."""
     cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
     cdef int hs = <int>q.shape[2], hv = <int>v.shape[2]
-    cdef Py_ssize_t bh, blk, i0, nb, kmax, r, i, j
+    cdef Py_ssize_t bh, blk, i0, nb, kmax, ncol, r, i, j
     cdef real* S = NULL                                  # per-thread block of scores
     cdef real* row
     cdef const real* mrow0
-    cdef real mx, e
-    cdef double ssum, inv
+    cdef real mx, inv
+    cdef double ssum
     cdef real sc = <real>scale
     cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
     cdef int prev_blas = _blas_enter(num_threads)
@@ -215,33 +201,31 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
                 mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
                 for blk in range((Tq + block - 1) // block):
                     i0 = blk * block
-                    nb = _min(block, Tq - i0)
-                    kmax = _min(Tk, i0 + nb) if is_causal else Tk
+                    nb = imin(block, Tq - i0)
+                    kmax = imin(Tk, i0 + nb) if is_causal else Tk
                     _scores_block(S, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
                                   sc, has_mask, is_causal)
                     for r in range(nb):                       # softmax of each row, in place
                         i = i0 + r
                         row = S + r * kmax
-                        mx = -INFINITY
-                        for j in range(kmax):
-                            if row[j] > mx:
-                                mx = row[j]
+                        ncol = imin(i + 1, Tk) if is_causal else kmax   # keys row i may see
+                        mx = row_max(row, ncol)
                         if mx == -INFINITY:
                             for j in range(kmax):
                                 row[j] = 0
                             lse[bh, i] = INFINITY
                             continue
-                        ssum = 0
-                        for j in range(kmax):
-                            e = _exp(row[j] - mx)
-                            row[j] = e
-                            ssum = ssum + e
-                        inv = 1.0 / ssum
-                        for j in range(kmax):
-                            row[j] = <real>(row[j] * inv)
+                        for j in range(ncol):
+                            row[j] = vexp(row[j] - mx)
+                        for j in range(ncol, kmax):
+                            row[j] = 0
+                        ssum = row_sum(row, ncol)
+                        inv = <real>(1.0 / ssum)
+                        for j in range(ncol):
+                            row[j] = row[j] * inv
                         lse[bh, i] = <real>(mx + log(ssum))
                         if dropout_p > 0:
-                            for j in range(kmax):
+                            for j in range(ncol):
                                 if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
                                     row[j] = row[j] * keep_scale
                                 else:
@@ -277,8 +261,7 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
     cdef real* dprow
     cdef real* pdrow
     cdef const real* mrow0
-    cdef real l, m
-    cdef double D
+    cdef real l, D
     cdef real sc = <real>scale
     cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
     cdef int prev_blas = _blas_enter(num_threads)
@@ -293,15 +276,15 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
                 mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
                 for blk in range((Tq + block - 1) // block):
                     i0 = blk * block
-                    nb = _min(block, Tq - i0)
-                    kmax = _min(Tk, i0 + nb) if is_causal else Tk
+                    nb = imin(block, Tq - i0)
+                    kmax = imin(Tk, i0 + nb) if is_causal else Tk
                     _scores_block(P, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
                                   sc, has_mask, is_causal)
                     for r in range(nb):                       # P = exp(S - lse), in place
                         l = lse[bh, i0 + r]
                         prow = P + r * kmax
                         for j in range(kmax):
-                            prow[j] = _exp(prow[j] - l)
+                            prow[j] = vexp(prow[j] - l)
                     if dropout_p > 0:
                         for r in range(nb):
                             i = i0 + r
@@ -328,11 +311,9 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
                                     dprow[j] = dprow[j] * keep_scale
                                 else:
                                     dprow[j] = 0
-                        D = 0
+                        D = <real>row_dot(prow, dprow, kmax)
                         for j in range(kmax):
-                            D = D + prow[j] * dprow[j]
-                        for j in range(kmax):
-                            dprow[j] = sc * prow[j] * (dprow[j] - <real>D)
+                            dprow[j] = sc * prow[j] * (dprow[j] - D)
                     # dq[i0:i0+nb] = dS (nb, kmax) @ k[:kmax] (kmax, hs)
                     gemm(c'N', c'N', <int>nb, hs, <int>kmax, <real>1, dP, <int>kmax, &k[bh, 0, 0], hs,
                          <real>0, &dq[bh, i0, 0], hs)

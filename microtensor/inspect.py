@@ -91,7 +91,7 @@ def _region(out_tensors, stop_tensors):
     return order, produced
 
 
-def _reaches(start, target, region, region_leaf_ok=True):
+def _reaches(start, target, region):
     """(does the graph above tensor `start` contain tensor `target`,
         does it touch a leaf that requires grad other than `target`), inside `region`."""
     target_node = target._node
@@ -117,7 +117,7 @@ def _reaches(start, target, region, region_leaf_ok=True):
     return found, touches_param
 
 
-def _residual_adds(region_nodes, produced):
+def _residual_adds(region_nodes):
     """The additions z = s + b inside a region where the branch b was computed from the
     stream s (s is an ancestor of b) through something with parameters: the skip
     connections. Returns [(add_node, index of s, index of b)]."""
@@ -248,23 +248,15 @@ class ModuleCalls:
         self.calls = []
         self.owner = {}          # node -> ModuleCall
         self.param_names = {}    # id(parameter) -> qualified name
-        self.module_names = {}   # id(module) -> qualified name
         if root is not None:
             for name, p in root.named_parameters():
                 self.param_names.setdefault(id(p), name)
-            for name, m in root.named_modules():
-                self.module_names.setdefault(id(m), name)
 
-    def owner_name(self, node, depth=None):
-        """The name of the call that created `node` (its ancestor at `depth` below the
-        root when `depth` is given), or None for nodes made outside every tracked call."""
+    def owner_name(self, node):
+        """The name of the call that created `node`, or None for nodes made outside
+        every tracked call."""
         call = self.owner.get(node)
-        if call is None:
-            return None
-        if depth is not None:
-            while call.parent is not None and call.depth > depth:
-                call = call.parent
-        return call.name
+        return None if call is None else call.name
 
 
 class track_modules:
@@ -438,13 +430,15 @@ class GradientRecorder(track_modules):
     (an addition z = s + b where b was computed from s through parameters) into skip and
     branch parts. Tensors can be watched without a model: `x = rec.watch(x, "x")`.
     Hooks stay on the graph, so records fill in when backward runs (inside or after the
-    `with` block); a second backward through a retained graph overwrites them.
+    `with` block); a second backward through a retained graph overwrites them. Hooks on
+    leaf tensors outlive the graph: `remove_hooks()` takes them off.
     """
 
     def __init__(self, model=None, modules=None, residual=True, keep_grads=False):
         self.residual = residual
         self.keep_grads = keep_grads
         self.records = {}
+        self._leaf_handles = []
         if model is not None:
             super().__init__(model, modules)
         else:
@@ -473,6 +467,21 @@ class GradientRecorder(track_modules):
     def clear(self):
         self.records.clear()
 
+    def _hook(self, tensor, fn):
+        """tensor.register_hook(fn), remembering the handle when the tensor is a leaf:
+        a leaf keeps its hooks for life (a non-leaf's go with its graph)."""
+        handle = tensor.register_hook(fn)
+        if tensor.grad_fn is None:
+            self._leaf_handles.append(handle)
+        return handle
+
+    def remove_hooks(self):
+        """Unregister the hooks this recorder put on leaf tensors (watched leaves, leaf
+        inputs of module calls), so later backward passes do not update the records."""
+        for handle in self._leaf_handles:
+            handle.remove()
+        self._leaf_handles.clear()
+
     def _keep(self, record, key, array):
         if self.keep_grads:
             record.grads[key] = np.array(array, copy=True)
@@ -492,7 +501,7 @@ class GradientRecorder(track_modules):
         def hook(grad):
             record.output_norm = _norm(grad._data)
             self._keep(record, "output", grad._data)
-        tensor.register_hook(hook)
+        self._hook(tensor, hook)
         return tensor
 
     # -- module calls --------------------------------------------------------------
@@ -501,14 +510,14 @@ class GradientRecorder(track_modules):
         outs = [t for t in call.outputs if t._requires_grad]
         record = self.records[call.name] = GradRecord(call.name, type=type(call.module).__name__,
                                                       module=call.module)
-        _hook_group(outs, record, "output_norm", self._keep)
+        _hook_group(self, outs, record, "output_norm")
         residual_adds = []
         if (self.residual and len(ins) == 1 and len(outs) == 1
                 and tuple(ins[0].shape) == tuple(outs[0].shape)):
             # region_nodes run from the output back; the units read better in forward order
-            residual_adds = _residual_adds(region_nodes, produced)[::-1]
+            residual_adds = _residual_adds(region_nodes)[::-1]
         if not residual_adds:
-            _hook_group(ins, record, "input_norm", self._keep)
+            _hook_group(self, ins, record, "input_norm")
             return
         x, y = ins[0], outs[0]
         skip_box = {}
@@ -528,8 +537,8 @@ class GradientRecorder(track_modules):
                 branch = total - skip
                 record.branch_norm = _norm(branch)
                 self._keep(record, "branch", branch)
-        y.register_hook(at_output)
-        x.register_hook(at_input)
+        self._hook(y, at_output)
+        self._hook(x, at_input)
         self._hook_units(record, call, residual_adds, produced)
 
     def _hook_units(self, record, call, residual_adds, produced):
@@ -559,8 +568,8 @@ class GradientRecorder(track_modules):
                 gz = box.pop("z", None)
                 if gz is not None:
                     unit.branch_norm = _norm(grad._data - gz)
-            z.register_hook(at_z)
-            s.register_hook(at_s)
+            self._hook(z, at_z)
+            self._hook(s, at_s)
 
     # -- reading the records -------------------------------------------------------
     def table(self, units=False):
@@ -587,7 +596,7 @@ class GradientRecorder(track_modules):
         return "\n".join(lines)
 
 
-def _hook_group(tensors, record, attr, keep):
+def _hook_group(recorder, tensors, record, attr):
     """Hook every tensor of a call's inputs (or outputs): `record.<attr>` becomes the
     joint norm of the gradients that reached them, updated as each one arrives."""
     squares = {}
@@ -601,8 +610,8 @@ def _hook_group(tensors, record, attr, keep):
             squares[key] = _norm(grad._data) ** 2
             setattr(record, attr, math.sqrt(sum(v for v in squares.values() if v is not None)))
             if len(squares) == 1:
-                keep(record, attr.split("_")[0], grad._data)
-        t.register_hook(hook)
+                recorder._keep(record, attr.split("_")[0], grad._data)
+        recorder._hook(t, hook)
 
 
 # ---- the computation graph as DOT text and as a picture ------------------------------
@@ -624,14 +633,16 @@ class Graph:
 
     `nodes` maps id -> GraphNode, `edges` is a list of (source id, target id) in the
     direction data flows in forward (an input points at the op that reads it; backward
-    walks the arrows the other way). Build it with `build_graph(...)`.
+    walks the arrows the other way); `skip_edges` are the edges that carry a residual
+    stream into its addition (drawn thick and orange). Build it with `build_graph(...)`.
     """
 
-    def __init__(self, nodes, edges, root_ids, title=""):
+    def __init__(self, nodes, edges, root_ids, title="", skip_edges=()):
         self.nodes = nodes
         self.edges = edges
         self.root_ids = root_ids
         self.title = title
+        self.skip_edges = set(skip_edges)   # edges into a residual addition from its stream
 
     @property
     def num_ops(self):
@@ -685,7 +696,8 @@ class Graph:
         for g in children.get(None, []):
             emit(g, 1)
         for a, b in self.edges:
-            lines.append(f"  {a} -> {b};")
+            extra = ' [color="#e07000", penwidth=2]' if (a, b) in self.skip_edges else ""
+            lines.append(f"  {a} -> {b}{extra};")
         lines.append("}")
         return "\n".join(lines) + "\n"
 
@@ -793,8 +805,13 @@ def build_graph(tensors, module=None, calls=None, names=None, collapse=False, de
         group = group or None            # the root call's own ops sit outside clusters
         nodes[nid] = GraphNode(nid, "op", f"{label}\n{_shape_text(out_shape[node])}",
                                out_shape[node], group)
-    # a stable order: leaves and ops in the order a forward pass would meet them
-    graph = Graph(nodes, edges, root_ids, title)
+    # the skip connections: the stream's edge into each residual addition
+    skip_edges = set()
+    for node, s_index, _ in _residual_adds(list(op_ids)):
+        stream = node.inputs[s_index]
+        source = op_ids[stream._node] if stream._node is not None else leaf_ids[id(stream)]
+        skip_edges.add((source, op_ids[node]))
+    graph = Graph(nodes, edges, root_ids, title, skip_edges)
     if collapse:
         graph = _collapse(graph, op_ids, calls, depth)
     return graph
@@ -845,8 +862,9 @@ def _collapse(graph, op_ids, calls, depth):
         mid = f"mod{len(module_ids)}"
         module_ids[g] = mid
         module = by_name[g].module
-        nodes[mid] = GraphNode(mid, "module", f"{g}\n{type(module).__name__}, {counts[g]} op{'s' if counts[g] > 1 else ''}",
-                               (), None, counts[g])
+        ops = f"{counts[g]} op" + ("s" if counts[g] > 1 else "")
+        nodes[mid] = GraphNode(mid, "module", f"{g}\n{type(module).__name__}, {ops}", (), None,
+                               counts[g])
     # parameters of a collapsed module disappear into it; other targets map to the box
     rename = {}
     for nid in graph.nodes:
@@ -859,7 +877,9 @@ def _collapse(graph, op_ids, calls, depth):
             continue
         seen.add((ra, rb))
         edges.append((ra, rb))
-    return Graph(nodes, edges, root_ids, graph.title)
+    skip_edges = {(rename[a], rename[b]) for a, b in graph.skip_edges
+                  if rename.get(a) and rename.get(b) and rename[a] != rename[b]}
+    return Graph(nodes, edges, root_ids, graph.title, skip_edges)
 
 
 def to_dot(tensors, module=None, calls=None, names=None, collapse=False, depth=0,
@@ -1027,6 +1047,8 @@ def _draw_layered(graph, path, dpi=90):
         ax.text(width / 2, height - margin - title_h / 2 + 0.05, graph.title, ha="center",
                 va="center", fontsize=9, weight="bold")
     for k, (a, b) in enumerate(graph.edges):
+        skip = (a, b) in graph.skip_edges
+        color, lw = ("#e07000", 1.6) if skip else ("#707070", 0.7)
         (xa, ya), (xb, yb) = center[a], center[b]
         points = [(xa, ya - box_h[a] / 2)]
         points += [center[w] for w in waypoints.get(k, [])]
@@ -1038,10 +1060,10 @@ def _draw_layered(graph, path, dpi=90):
             for p in points[1:-1]:
                 verts.append(p)
                 codes.append(MplPath.LINETO)
-            ax.add_patch(PathPatch(MplPath(verts, codes), fc="none", ec="#707070", lw=0.7))
+            ax.add_patch(PathPatch(MplPath(verts, codes), fc="none", ec=color, lw=lw))
             points = points[-2:]
-        ax.add_patch(FancyArrowPatch(points[0], points[1], arrowstyle="-|>", color="#707070",
-                                     lw=0.7, mutation_scale=7, shrinkA=0, shrinkB=0.5))
+        ax.add_patch(FancyArrowPatch(points[0], points[1], arrowstyle="-|>", color=color,
+                                     lw=lw, mutation_scale=7, shrinkA=0, shrinkB=0.5))
     for i, n in graph.nodes.items():
         cx, cy = center[i]
         w, h = box_w[i], box_h[i]

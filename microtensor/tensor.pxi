@@ -301,6 +301,24 @@ cdef class Tensor:
     def __hash__(self):
         return id(self)
 
+    def __deepcopy__(self, memo):
+        """A new leaf with a copy of the values (and of .grad), as torch's deepcopy."""
+        if self._node is not None:
+            raise RuntimeError("only leaf tensors (created by the user) support deepcopy")
+        cdef Tensor t = Tensor._wrap(self._data.copy())
+        t._requires_grad = self._requires_grad
+        if self._grad is not None:
+            t._grad = Tensor._wrap((<Tensor>self._grad)._data.copy())
+        if type(self) is not Tensor:
+            res = type(self).__new__(type(self))
+            (<Tensor>res)._data, (<Tensor>res)._requires_grad, (<Tensor>res)._grad = t._data, t._requires_grad, t._grad
+            t = <Tensor>res
+        memo[id(self)] = t
+        return t
+
+    def __copy__(self):
+        return self.detach() if self._node is not None else self
+
     def __reduce__(self):
         raise TypeError("microtensor tensors are not pickled; save them with mt.save (safetensors)")
 

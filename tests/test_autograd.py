@@ -211,3 +211,16 @@ def test_inplace_on_leaf_requiring_grad_raises():
     with mt.no_grad():
         x.add_(1)
     assert x.tolist() == [2.0, 2.0]
+
+
+def test_deepcopy_of_leaves_and_parameters():
+    import copy
+    p = mt.Parameter(mt.ones(2))
+    p.grad = mt.ones(2)
+    q = copy.deepcopy(p)
+    assert type(q) is mt.Parameter and q.requires_grad
+    q.data.add_(1)
+    assert p.tolist() == [1.0, 1.0] and q.tolist() == [2.0, 2.0]
+    assert q.grad.tolist() == [1.0, 1.0] and q.grad is not p.grad
+    with pytest.raises(RuntimeError, match="leaf"):
+        copy.deepcopy(p * 2)

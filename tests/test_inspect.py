@@ -53,6 +53,17 @@ def test_watched_tensors_match_retained_grads():
     assert "tensor (4, 3)" in rec.table()
 
 
+def test_remove_hooks_stops_recording_on_leaves():
+    rec = mti.GradientRecorder()
+    x = rec.watch(randn(3), "x")
+    (x * 2.0).sum().backward()
+    first = rec["x"].norm
+    assert first == pytest.approx(2.0 * np.sqrt(3.0), rel=1e-12)
+    rec.remove_hooks()
+    (x * 5.0).sum().backward()
+    assert rec["x"].norm == first
+
+
 def test_watch_rejects_tensors_without_grad():
     rec = mti.GradientRecorder()
     with pytest.raises(RuntimeError):
@@ -291,7 +302,8 @@ def test_anomaly_off_outside_the_block():
 # ---- the graph exporter -------------------------------------------------------------
 
 def parse_dot(text):
-    """Check the DOT text's structure; return (declared node ids, edges, clusters)."""
+    """Check the DOT text's structure; return (declared node ids, edges, clusters,
+    skip edges (the ones drawn in the skip-connection colour))."""
     lines = text.strip().splitlines()
     assert re.fullmatch(r"digraph \w+ \{", lines[0]), lines[0]
     assert lines[-1] == "}"
@@ -308,11 +320,14 @@ def parse_dot(text):
             assert depth >= 0
         previous = ch
     assert depth == 0 and not in_quote
-    declared, edges, clusters = {}, [], 0
+    declared, edges, clusters, skips = {}, [], 0, []
     for line in lines[1:-1]:
         line = line.strip()
-        if m := re.fullmatch(r"(\w+) -> (\w+);", line):
+        if m := re.fullmatch(r"(\w+) -> (\w+)( \[.*\])?;", line):
             edges.append((m.group(1), m.group(2)))
+            if m.group(3) is not None:
+                assert "e07000" in m.group(3)            # only skip edges are styled
+                skips.append((m.group(1), m.group(2)))
         elif m := re.fullmatch(r'(\w+) \[label="((?:[^"\\]|\\.)*)"(, .*)?\];', line):
             assert m.group(1) not in declared, f"{m.group(1)} declared twice"
             declared[m.group(1)] = m.group(2)
@@ -320,7 +335,7 @@ def parse_dot(text):
             clusters += 1
     for a, b in edges:
         assert a in declared and b in declared, f"edge {a} -> {b} to an undeclared node"
-    return declared, edges, clusters
+    return declared, edges, clusters, skips
 
 
 def count_ops(t):
@@ -340,7 +355,7 @@ def test_dot_of_an_expression():
     c = (a * b + a).tanh()
     loss = (c ** 2).sum()
     text = mti.to_dot(loss, names={"a": a, "b": b})
-    declared, edges, _ = parse_dot(text)
+    declared, edges, _, skips = parse_dot(text)
     ops = [k for k, label in declared.items() if "Backward" in label]
     assert len(ops) == count_ops(loss) == 5
     labels = list(declared.values())
@@ -352,6 +367,10 @@ def test_dot_of_an_expression():
     a_id = next(k for k, label in declared.items() if label.startswith("a\\n"))
     assert sum(1 for s, _ in edges if s == a_id) == 2
     assert len(edges) == 7
+    # a*b + a has the shape of a residual unit (a + f(a), f with the trainable b): the
+    # edge from a into the addition is marked as its skip path
+    add_id = next(k for k, label in declared.items() if label.startswith("AddBackward"))
+    assert skips == [(a_id, add_id)]
 
 
 def test_dot_names_parameters_and_groups_by_module():
@@ -359,14 +378,14 @@ def test_dot_names_parameters_and_groups_by_module():
     x = mt.randn(3, 4)
     with mti.track_modules(model) as calls:
         out = model(x).sum()
-    declared, edges, clusters = parse_dot(mti.to_dot(out, module=model, calls=calls))
+    declared, edges, clusters, _ = parse_dot(mti.to_dot(out, module=model, calls=calls))
     labels = " ".join(declared.values())
     for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
         assert name in labels
     assert clusters == 3                     # one box per called layer
     assert sum("Backward" in v for v in declared.values()) == count_ops(out)
     # collapsed: one node per layer, the root's own sum stays an op
-    declared, edges, _ = parse_dot(mti.to_dot(out, module=model, calls=calls, collapse=True))
+    declared, edges, _, _ = parse_dot(mti.to_dot(out, module=model, calls=calls, collapse=True))
     modules = [v for v in declared.values() if "Linear" in v or "Tanh" in v]
     assert len(modules) == 3 and len(declared) == 4
     assert len(edges) == 3
@@ -379,18 +398,26 @@ def test_dot_of_a_transformer_block(models):
     x = mt.randn(1, 4, 16, requires_grad=True)
     with mti.track_modules(block) as calls:
         y = block(x)
-    declared, edges, clusters = parse_dot(mti.to_dot(y, module=block, calls=calls,
-                                                     names={"x": x}))
+    declared, edges, clusters, skips = parse_dot(mti.to_dot(y, module=block, calls=calls,
+                                                            names={"x": x}))
     labels = list(declared.values())
     assert sum("Backward" in v for v in labels) == count_ops(y)
     for p, _ in block.named_parameters():
         assert any(v.startswith(p + "\\n") for v in labels), p
     assert clusters >= 4                     # ln_1, attn, ln_2, mlp (and their layers)
-    declared, _, _ = parse_dot(mti.to_dot(y, module=block, calls=calls, collapse=True))
+    x_id = next(k for k, v in declared.items() if v.startswith("x\\n"))
+    assert len(skips) == 2 and x_id in {source for source, _ in skips}
+    declared, edges, _, skips = parse_dot(mti.to_dot(y, module=block, calls=calls,
+                                                     names={"x": x}, collapse=True))
     labels = " ".join(declared.values())
     for name in ("ln_1", "attn", "ln_2", "mlp"):
         assert name in labels
-    assert sum(v.startswith("AddBackward") for v in declared.values()) == 2   # the skips
+    adds = [k for k, v in declared.items() if v.startswith("AddBackward")]
+    assert len(adds) == 2                                     # the residual additions
+    x_id = next(k for k, v in declared.items() if v.startswith("x\\n"))
+    # the skip path: x -> first addition -> second addition
+    first, second = adds if (x_id, adds[0]) in edges else adds[::-1]
+    assert sorted(skips) == sorted([(x_id, first), (first, second)])
 
 
 def test_render_png_with_matplotlib(tmp_path):
@@ -435,7 +462,8 @@ def test_scalar_stack_equals_the_closed_form(residual_flow, shortcut):
         slopes = 0.5 * (1.0 - np.tanh(0.5 * np.array(points)) ** 2)
         closed = np.prod(1.0 + slopes) if shortcut else np.prod(slopes)
         assert grad == pytest.approx(closed, rel=1e-12)
-        assert residual_flow.scalar_closed_form(visited, shortcut) == pytest.approx(closed, rel=1e-12)
+        by_formula = residual_flow.scalar_closed_form(visited, shortcut)
+        assert by_formula == pytest.approx(closed, rel=1e-12)
     if not shortcut:
         assert grad < 1e-6          # 20 plain layers: vanished
     else:

@@ -505,3 +505,34 @@ def test_matches_pytorch(options, dtype):
         np.testing.assert_allclose(p.grad.numpy(), t_params[name].grad.numpy(),
                                    rtol=tol["rtol"], atol=tol["atol"] + tol["rtol"] * scale,
                                    err_msg=name)
+
+
+# ---- the examples ----------------------------------------------------------------------------
+
+def run_example(*args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, str(ROOT / "examples" / args[0]), *args[1:]],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_gradcheck_layers_prints_the_table():
+    result = run_example("gradcheck_layers.py", "-k", "rotary")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "max abs" in result.stdout and "rotary" in result.stdout and "pass" in result.stdout
+
+
+def test_train_seq2seq_runs():
+    result = run_example("train_seq2seq.py", "--steps", "6", "--eval_interval", "3",
+                         "--n_val", "10", "--n_test", "10", "--max_len", "5")
+    assert "step     3 | loss" in result.stdout, result.stdout + result.stderr
+    assert "test exact match" in result.stdout
+    assert result.returncode in (0, 1)  # 1: below 99% after 6 steps, as expected
+
+
+@pytest.mark.slow
+def test_train_seq2seq_reaches_99_percent():
+    result = run_example("train_seq2seq.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    accuracy = float(result.stdout.split("test exact match: ")[1].split("%")[0])
+    assert accuracy >= 99.0

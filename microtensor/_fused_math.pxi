@@ -1,0 +1,191 @@
+# Math helpers shared by the fused kernels (_fused.pyx, _fused_attention.pyx).
+#
+# Why not libm: a scalar call to expf/erff/tanhf costs 5-40 ns here and stops the
+# compiler from vectorising the loop around it, which made exp the bottleneck of
+# softmax, cross-entropy, attention and GELU. For float32 the functions below are plain
+# polynomials and selects that gcc turns into SIMD code; float64 (the gradcheck dtype)
+# keeps libm's correctly rounded functions.
+#
+# NOTE: gcc refuses to vectorise a float select (`a if x > c else b`) while it assumes
+# that float compares may trap; the pragma lifts that assumption for this file only
+# (it changes no result: microtensor never unmasks floating-point exceptions).
+
+cdef extern from *:
+    """
+    #if defined(__GNUC__) && !defined(__clang__)
+    #pragma GCC optimize ("no-trapping-math")
+    #endif
+    """
+
+from libc.math cimport exp, expf, log, sqrt, erf, erfc, fabs, fabsf, INFINITY
+
+ctypedef fused real:
+    float
+    double
+
+
+cdef union _f32_bits:
+    float f
+    int i
+
+
+cdef inline float expf_poly(float x) noexcept nogil:
+    """e^x in float32, relative error < 1.2e-7: x = n ln2 + r with |r| <= ln2/2, then
+    e^x = 2^n * (degree-7 Taylor polynomial of e^r), 2^n built from its exponent bits.
+    e^x = 0 below -87.3 (where float32 turns denormal), inf above 88.7, NaN stays NaN."""
+    cdef float xc = x if x > <float>-87.3 else <float>-87.3
+    xc = xc if xc < <float>88.7 else <float>88.7
+    # round to nearest integer with the 1.5 * 2^23 trick (no floor call, vectorises)
+    cdef float n = (xc * <float>1.4426950408889634 + <float>12582912.0) - <float>12582912.0
+    # ln2 split in two so that n * ln2_hi is exact (Cody and Waite)
+    cdef float r = xc - n * <float>0.693145751953125 - n * <float>1.428606765330187e-06
+    cdef float p
+    p = <float>1 + r * (<float>1 + r * (<float>0.5 + r * (<float>0.16666667
+        + r * (<float>0.041666668 + r * (<float>0.008333334 + r * (<float>0.0013888889
+        + r * <float>0.0001984127))))))
+    cdef _f32_bits scale
+    scale.i = (<int>n + 127) << 23
+    p = p * scale.f
+    p = <float>0 if x < <float>-87.3 else p
+    p = <float>INFINITY if x > <float>88.7 else p
+    return x if x != x else p
+
+
+cdef inline real vexp(real x) noexcept nogil:
+    if real is float:
+        return expf_poly(x)
+    else:
+        return exp(x)
+
+
+cdef inline real vtanh(real x) noexcept nogil:
+    """tanh(x) = 1 - 2 / (1 + e^(2x)): exact at both tails (e^(2x) -> 0 or inf);
+    absolute error ~1e-7 in float32 near 0."""
+    if real is float:
+        return <float>1 - <float>2 / (<float>1 + expf_poly(<float>2 * x))
+    else:
+        return 1 - 2 / (1 + exp(2 * x))
+
+
+cdef inline float erfc_scaled_poly(float t) noexcept nogil:
+    """Q(t) ~= erfcx(z) / t, with t = 1 / (1 + 0.4 z), z >= 0 (erfcx(z) = e^(z^2) erfc(z)).
+    Own least-squares fit in Chebyshev form over t in (0, 1], converted to powers of t:
+    relative error 1e-8 in float64 arithmetic, so float32 rounding dominates."""
+    return (<float>0.22567589 + t * (<float>0.2256649 + t * (<float>0.20797743
+        + t * (<float>0.16706989 + t * (<float>0.14942139 + t * (<float>-0.029800415
+        + t * (<float>0.21187 + t * (<float>-0.22678812 + t * (<float>0.07444016
+        + t * <float>-0.00553106)))))))))
+
+
+cdef inline real normal_cdf_from(real x, real z, real e) noexcept nogil:
+    """Phi(x) = P(N(0,1) <= x), given z = |x| / sqrt 2 and e = exp(-z^2) (which the GELU
+    backward reuses for the density). Phi = 1 - erfc(z)/2 for x >= 0, erfc(z)/2 below."""
+    cdef real half_erfc
+    cdef float t
+    if real is float:
+        t = <float>1 / (<float>1 + <float>0.4 * z)
+        half_erfc = <float>0.5 * t * erfc_scaled_poly(t) * e
+        return <float>1 - half_erfc if x >= 0 else half_erfc
+    else:
+        return 0.5 * erfc(-x * 0.7071067811865476)
+
+
+cdef inline real row_max(const real* x, Py_ssize_t n) noexcept nogil:
+    """max(x[0:n]) (-inf for n = 0), with 8 running maxima so that it vectorises."""
+    cdef real m0 = -INFINITY, m1 = -INFINITY, m2 = -INFINITY, m3 = -INFINITY
+    cdef real m4 = -INFINITY, m5 = -INFINITY, m6 = -INFINITY, m7 = -INFINITY
+    cdef Py_ssize_t j = 0
+    while j + 8 <= n:
+        m0 = x[j] if x[j] > m0 else m0
+        m1 = x[j + 1] if x[j + 1] > m1 else m1
+        m2 = x[j + 2] if x[j + 2] > m2 else m2
+        m3 = x[j + 3] if x[j + 3] > m3 else m3
+        m4 = x[j + 4] if x[j + 4] > m4 else m4
+        m5 = x[j + 5] if x[j + 5] > m5 else m5
+        m6 = x[j + 6] if x[j + 6] > m6 else m6
+        m7 = x[j + 7] if x[j + 7] > m7 else m7
+        j = j + 8
+    while j < n:
+        m0 = x[j] if x[j] > m0 else m0
+        j = j + 1
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    m4 = m5 if m5 > m4 else m4
+    m6 = m7 if m7 > m6 else m6
+    m0 = m2 if m2 > m0 else m0
+    m4 = m6 if m6 > m4 else m4
+    return m4 if m4 > m0 else m0
+
+
+cdef inline double row_sum(const real* x, Py_ssize_t n) noexcept nogil:
+    """sum(x[0:n]) with 8 partial sums (vectorises; also more accurate than one chain)."""
+    cdef real s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0
+    cdef Py_ssize_t j = 0
+    while j + 8 <= n:
+        s0 = s0 + x[j]
+        s1 = s1 + x[j + 1]
+        s2 = s2 + x[j + 2]
+        s3 = s3 + x[j + 3]
+        s4 = s4 + x[j + 4]
+        s5 = s5 + x[j + 5]
+        s6 = s6 + x[j + 6]
+        s7 = s7 + x[j + 7]
+        j = j + 8
+    while j < n:
+        s0 = s0 + x[j]
+        j = j + 1
+    return (<double>s0 + s1) + (<double>s2 + s3) + ((<double>s4 + s5) + (<double>s6 + s7))
+
+
+cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept nogil:
+    """sum(x[0:n] * y[0:n]) with 8 partial sums."""
+    cdef real s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0
+    cdef Py_ssize_t j = 0
+    while j + 8 <= n:
+        s0 = s0 + x[j] * y[j]
+        s1 = s1 + x[j + 1] * y[j + 1]
+        s2 = s2 + x[j + 2] * y[j + 2]
+        s3 = s3 + x[j + 3] * y[j + 3]
+        s4 = s4 + x[j + 4] * y[j + 4]
+        s5 = s5 + x[j + 5] * y[j + 5]
+        s6 = s6 + x[j + 6] * y[j + 6]
+        s7 = s7 + x[j + 7] * y[j + 7]
+        j = j + 8
+    while j < n:
+        s0 = s0 + x[j] * y[j]
+        j = j + 1
+    return (<double>s0 + s1) + (<double>s2 + s3) + ((<double>s4 + s5) + (<double>s6 + s7))
+
+
+cdef inline double row_sum_sq_dev(const real* x, real mean, Py_ssize_t n) noexcept nogil:
+    """sum((x[0:n] - mean)^2) with 8 partial sums."""
+    cdef real s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0
+    cdef real d0, d1, d2, d3, d4, d5, d6, d7
+    cdef Py_ssize_t j = 0
+    while j + 8 <= n:
+        d0 = x[j] - mean
+        d1 = x[j + 1] - mean
+        d2 = x[j + 2] - mean
+        d3 = x[j + 3] - mean
+        d4 = x[j + 4] - mean
+        d5 = x[j + 5] - mean
+        d6 = x[j + 6] - mean
+        d7 = x[j + 7] - mean
+        s0 = s0 + d0 * d0
+        s1 = s1 + d1 * d1
+        s2 = s2 + d2 * d2
+        s3 = s3 + d3 * d3
+        s4 = s4 + d4 * d4
+        s5 = s5 + d5 * d5
+        s6 = s6 + d6 * d6
+        s7 = s7 + d7 * d7
+        j = j + 8
+    while j < n:
+        d0 = x[j] - mean
+        s0 = s0 + d0 * d0
+        j = j + 1
+    return (<double>s0 + s1) + (<double>s2 + s3) + ((<double>s4 + s5) + (<double>s6 + s7))
+
+
+cdef inline Py_ssize_t imin(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return a if a < b else b
