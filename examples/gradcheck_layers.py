@@ -270,7 +270,10 @@ def main():
     parser.add_argument("-k", default="", help="only cases whose name contains this")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="list the checked tensors of each case")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="microtensor kernel threads (tiny tensors: one is fastest)")
     args = parser.parse_args()
+    mt.set_num_threads(args.threads)
     cases = [(n, b) for n, b in CASES if args.k in n]
     if not cases:
         parser.error(f"no case name contains {args.k!r}")

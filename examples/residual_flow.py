@@ -374,7 +374,8 @@ def save(fig, out, name):
     path = os.path.join(out, name)
     mti.save_small_png(fig, path, dpi=90, colors=128)
     plt.close(fig)
-    return path
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def parse_args(argv=None):

@@ -24,6 +24,7 @@ from microtensor._core import (
 from microtensor import autograd
 from microtensor.autograd import gradcheck
 from microtensor import nn, optim
+from microtensor import inspect
 from microtensor.serialization import save, load
 
 clip = clamp

@@ -226,6 +226,80 @@ def silu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp, int
         dinp[i] = dout[i] * s * (1 + inp[i] * (1 - s))
 
 
+# ---- softmax / log-softmax over the last dim ----------------------------------------
+
+@cython.wraparound(False)
+def softmax_forward(real[:, ::1] out, const real[:, ::1] inp, int num_threads):
+    """(R, N) rows -> (R, N):  out = exp(x - max) / sum(exp(x - max))"""
+    cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
+    cdef const real* x
+    cdef real* o
+    cdef real m, inv
+    for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
+        x = &inp[r, 0]
+        o = &out[r, 0]
+        m = row_max(x, N)
+        for j in range(N):
+            o[j] = vexp(x[j] - m)
+        inv = <real>(1.0 / row_sum(o, N))
+        for j in range(N):
+            o[j] = o[j] * inv
+
+
+@cython.wraparound(False)
+def softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[:, ::1] out,
+                     int num_threads):
+    """(R, N):  dinp = y * (g - sum(g * y))"""
+    cdef Py_ssize_t r, j, R = out.shape[0], N = out.shape[1]
+    cdef const real* y
+    cdef const real* g
+    cdef real* dx
+    cdef real d
+    for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
+        y = &out[r, 0]
+        g = &dout[r, 0]
+        dx = &dinp[r, 0]
+        d = <real>row_dot(g, y, N)
+        for j in range(N):
+            dx[j] = y[j] * (g[j] - d)
+
+
+@cython.wraparound(False)
+def log_softmax_forward(real[:, ::1] out, const real[:, ::1] inp, int num_threads):
+    """(R, N) rows -> (R, N):  out = x - max - log(sum(exp(x - max)))"""
+    cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
+    cdef const real* x
+    cdef real* o
+    cdef real m, l
+    for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
+        x = &inp[r, 0]
+        o = &out[r, 0]
+        m = row_max(x, N)
+        for j in range(N):
+            o[j] = vexp(x[j] - m)                         # scratch: the output row
+        l = m + <real>log(row_sum(o, N))
+        for j in range(N):
+            o[j] = x[j] - l
+
+
+@cython.wraparound(False)
+def log_softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[:, ::1] out,
+                         int num_threads):
+    """(R, N):  dinp = g - exp(y) * sum(g)"""
+    cdef Py_ssize_t r, j, R = out.shape[0], N = out.shape[1]
+    cdef const real* y
+    cdef const real* g
+    cdef real* dx
+    cdef real s
+    for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
+        y = &out[r, 0]
+        g = &dout[r, 0]
+        dx = &dinp[r, 0]
+        s = <real>row_sum(g, N)
+        for j in range(N):
+            dx[j] = g[j] - vexp(y[j]) * s
+
+
 # ---- cross-entropy (fused log-softmax + NLL) -------------------------------------
 
 @cython.wraparound(False)

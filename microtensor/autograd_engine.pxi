@@ -94,7 +94,7 @@ cdef inline Tensor _attach(Tensor out, Node node, tuple inputs):
     out._node = node
     out._requires_grad = True
     if _anomaly_enabled:
-        node._trace = "".join(_traceback.format_stack()[:-2])
+        node._trace = "".join(_traceback.format_stack())
     return out
 
 

@@ -69,10 +69,11 @@ class MultiHeadAttention(nn.Module):
         return t.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
 
     def forward(self, x, context=None, mask=None, kv_cache=None):
+        for name, t in (("x", x), ("context", context)):
+            if t is not None and (t.ndim != 3 or t.shape[-1] != self.d_model):
+                raise mt.ShapeError(f"MultiHeadAttention(d_model={self.d_model}) expects {name} "
+                                    f"of shape (B, T, {self.d_model}), got {tuple(t.shape)}")
         B, T, C = x.shape
-        if C != self.d_model:
-            raise mt.ShapeError(f"MultiHeadAttention(d_model={self.d_model}) got input of shape "
-                                f"{tuple(x.shape)}")
         offset = 0 if kv_cache is None else kv_cache.length  # position of x's first token
         if context is None:
             q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)

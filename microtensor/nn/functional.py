@@ -137,18 +137,63 @@ def tanh(x):
     return _core.tanh(x)
 
 
-def softmax(x, dim=None, dtype=None):
-    """y = exp(x) / sum(exp(x)) along dim"""
+class SoftmaxBackward(Node):
+    """y = softmax(x);  dx = y * (g - sum(g * y))   (kernel: softmax_backward)"""
+
+    def backward(self, g):
+        return (_rows_backward(self, g, _fused.softmax_backward),)
+
+
+class LogSoftmaxBackward(Node):
+    """y = log_softmax(x);  dx = g - exp(y) * sum(g)   (kernel: log_softmax_backward)"""
+
+    def backward(self, g):
+        return (_rows_backward(self, g, _fused.log_softmax_backward),)
+
+
+def _rows_backward(node, g, kernel):
+    y = node.out                                         # (R, N), the forward's rows
+    g2 = _grad_as(np.moveaxis(np.asarray(g), node.dim, -1), node.moved_shape, y.dtype)
+    dinp = np.empty_like(y)
+    if y.size:
+        kernel(dinp, g2.reshape(y.shape), y, _threads(y.size))
+    return np.moveaxis(dinp.reshape(node.moved_shape), -1, node.dim)
+
+
+def _softmax_like(input, dim, dtype, log):
+    if dim is None:
+        raise TypeError("softmax() needs dim (which dimension to normalise over)")
     if dtype is not None:
-        x = x.to(dtype)
-    return _core.softmax(x, dim)
+        input = input.to(dtype)
+    x = _float_array(input, "log_softmax input" if log else "softmax input")
+    if x.ndim == 0:                                      # a 0-d tensor: as torch, 1 (or 0)
+        return _core.log_softmax(input, dim) if log else _core.softmax(input, dim)
+    if not isinstance(dim, (int, np.integer)) or not -x.ndim <= dim < x.ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of "
+                         f"[{-x.ndim}, {x.ndim - 1}], but got {dim})")
+    dim = int(dim) % x.ndim
+    moved = _contig(np.moveaxis(x, dim, -1))             # (..., N), a view when dim is last
+    rows = moved.reshape(-1, moved.shape[-1]) if moved.size else moved.reshape(0, 0)
+    out = np.empty_like(rows)
+    if rows.size:
+        kernel = _fused.log_softmax_forward if log else _fused.softmax_forward
+        kernel(out, rows, _threads(rows.size))
+    res = wrap(np.moveaxis(out.reshape(moved.shape), -1, dim))
+    if needs_graph((input,)):
+        node = LogSoftmaxBackward() if log else SoftmaxBackward()
+        node.out, node.dim, node.moved_shape = out, dim, moved.shape
+        attach(res, node, (input,))
+    return res
 
 
-def log_softmax(x, dim=None, dtype=None):
+def softmax(input, dim=None, dtype=None):
+    """y = exp(x) / sum(exp(x)) along dim (computed stably)"""
+    return _softmax_like(input, dim, dtype, False)
+
+
+def log_softmax(input, dim=None, dtype=None):
     """y = x - logsumexp(x) along dim"""
-    if dtype is not None:
-        x = x.to(dtype)
-    return _core.log_softmax(x, dim)
+    return _softmax_like(input, dim, dtype, True)
 
 
 class GeluBackward(Node):
