@@ -242,7 +242,7 @@ def print_results(results):
     for r in results:
         for e, s in r["engines"].items():
             rows.append([
-                r["config"], f"{r['params'] / 1e6:.2f}M", e, f"{s['ms_median']:.1f}",
+                r["config"], f"{r['params'] / 1e6:.2f}M" if r["params"] else "", e, f"{s['ms_median']:.1f}",
                 f"{s['ms_q1']:.1f}-{s['ms_q3']:.1f}", f"{s['ms_min']:.1f}-{s['ms_max']:.1f}",
                 f"{s['tokens_per_s']:,.0f}", f"{s['gflops']:.1f}",
                 f"{r['ratio_mt_over_torch']:.2f}" if e == "microtensor" and "ratio_mt_over_torch" in r else ""])
@@ -264,25 +264,95 @@ def print_results(results):
 # ---- peak memory (child processes) ------------------------------------------------
 
 def child_main(args):
-    """One engine's training loop alone in this process; prints a JSON line."""
+    """One engine's training loop alone in this process; prints a JSON line with the
+    wall time of each step after the first `--warmup` ones.
+
+    For --memory the torch child builds its model with its own init (so it never
+    imports microtensor's model code); for --isolate (args.same_init) it copies
+    microtensor's initial weights, as the in-process comparison does."""
     engine = args.child
     torch = C.try_import_torch() if engine == "torch" else None
     import microtensor as mt  # noqa: F401  (the mt child never imports torch)
-    C.setup_threads(args.threads, torch)
+    C.setup_threads(args.threads, torch, args.scipy_blas_threads)
     text, _ = C.load_text(args.data)
     cfg = C.CONFIGS[args.config]
     data, vocab = encode_corpus(text)
     steps = args.steps or DEFAULT_STEPS[args.config]
-    batches = make_batches(data, steps, cfg["batch_size"], cfg["block_size"], args.seed)
+    warmup = args.warmup or 0
+    batches = make_batches(data, warmup + steps, cfg["batch_size"], cfg["block_size"], args.seed)
     rss_before = C.current_rss()
     if engine == "microtensor":
         _, step = build_mt(cfg, vocab, args.seed)
+    elif args.same_init:
+        mt_model, _ = build_mt(cfg, vocab, args.seed)
+        _, step = build_torch(torch, mt_model)
+        del mt_model
     else:
         _, step = build_torch(torch, cfg=cfg, vocab_size=vocab)
-    for x, y in batches:
-        step(x, y)
+    times, losses = [], []
+    for i, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
     print(json.dumps({"engine": engine, "rss_before_model": rss_before,
-                      "rss_end": C.current_rss()}))
+                      "rss_end": C.current_rss(), "times": times, "losses": losses}))
+
+
+def _child_argv(engine, name, args, steps=None, warmup=None, same_init=False):
+    argv = [os.path.abspath(__file__), "--child", engine, "--config", name,
+            "--threads", str(args.threads), "--seed", str(args.seed)]
+    steps = steps or args.steps
+    if steps:
+        argv += ["--steps", str(steps)]
+    if warmup:
+        argv += ["--warmup", str(warmup)]
+    if args.data:
+        argv += ["--data", args.data]
+    if args.scipy_blas_threads is not None:
+        argv += ["--scipy-blas-threads", str(args.scipy_blas_threads)]
+    if same_init:
+        argv += ["--same-init"]
+    return argv
+
+
+def isolated(name, args, torch):
+    """The comparison with each engine in its own process (no shared thread pools):
+    the rounds alternate child processes A B A B ...; each child warms up first."""
+    cfg = C.CONFIGS[name]
+    steps = args.steps or DEFAULT_STEPS[name]
+    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    per_round = max(1, steps // args.rounds)
+    engines = ["microtensor"] + (["torch"] if torch is not None else [])
+    times = {e: [] for e in engines}
+    losses = {e: [] for e in engines}
+    done = 0
+    while done < steps:
+        n = min(per_round, steps - done)
+        for e in engines:
+            _, out = C.run_child_peak_rss(_child_argv(e, name, args, n, warmup, same_init=True))
+            child = json.loads(out.strip().splitlines()[-1])
+            times[e] += child["times"]
+            losses[e] += child["losses"]
+        done += n
+    text, _ = C.load_text(args.data)
+    vocab = len(set(text))
+    flops = C.step_flops(cfg, vocab)
+    tokens = cfg["batch_size"] * cfg["block_size"]
+    result = {"config": name, "cfg": cfg, "vocab_size": vocab, "steps": steps, "warmup": warmup,
+              "rounds": args.rounds, "step_gflop": flops / 1e9, "isolated": True,
+              "params": None, "engines": {}}
+    for e in engines:
+        s = C.summary(times[e])
+        result["engines"][e] = {
+            "ms_median": s["median"] * 1e3, "ms_q1": s["q1"] * 1e3, "ms_q3": s["q3"] * 1e3,
+            "ms_min": s["min"] * 1e3, "ms_max": s["max"] * 1e3,
+            "tokens_per_s": tokens / s["median"], "gflops": flops / s["median"] / 1e9,
+            "first_losses": losses[e][:3], "last_loss": losses[e][-1]}
+    if "torch" in times:
+        result["ratio_mt_over_torch"] = (result["engines"]["microtensor"]["ms_median"] /
+                                         result["engines"]["torch"]["ms_median"])
+    return result
 
 
 def memory(names, args):
@@ -291,13 +361,7 @@ def memory(names, args):
     for name in names:
         out[name] = {}
         for e in engines:
-            argv = [os.path.abspath(__file__), "--child", e, "--config", name,
-                    "--threads", str(args.threads), "--seed", str(args.seed)]
-            if args.steps:
-                argv += ["--steps", str(args.steps)]
-            if args.data:
-                argv += ["--data", args.data]
-            peak, stdout = C.run_child_peak_rss(argv)
+            peak, stdout = C.run_child_peak_rss(_child_argv(e, name, args))
             child = json.loads(stdout.strip().splitlines()[-1])
             out[name][e] = {"peak_rss": peak, "rss_before_model": child["rss_before_model"]}
         for e in engines:
@@ -372,6 +436,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="alternations A B per engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--scipy-blas-threads", type=int, default=None,
+                   help="experiment: threads of scipy's BLAS alone (used inside "
+                   "microtensor's attention kernel); default: --threads")
     p.add_argument("--ceiling", action="store_true",
                    help="also measure the config's matmul ceiling (bench_matmul)")
     p.add_argument("--memory", action="store_true", help="peak RSS of each engine, in children")
@@ -380,7 +447,11 @@ def main(argv=None):
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--torch-ops", action="store_true", help="with --profile: torch.profiler table")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each engine in its own child process (rounds alternate "
+                   "processes) instead of both in this one")
     p.add_argument("--child", choices=["microtensor", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--same-init", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.child:
@@ -392,8 +463,9 @@ def main(argv=None):
         if n not in C.CONFIGS:
             p.error(f"unknown config {n!r}; choose from {', '.join(C.CONFIGS)}")
     torch = None if args.no_torch else C.try_import_torch()
-    C.setup_threads(args.threads, torch)
+    C.setup_threads(args.threads, torch, args.scipy_blas_threads)
     info = C.machine_info(args.threads, torch)
+    info["scipy_blas_threads"] = args.scipy_blas_threads
     C.print_machine(info)
     text, source = C.load_text(args.data)
     print(f"# corpus: {source} ({len(text):,} chars, vocab {len(set(text))})")
@@ -404,8 +476,13 @@ def main(argv=None):
     elif args.profile:
         record["profile"] = [profile(n, args, text, torch) for n in names]
     else:
-        results = [run_config(n, args, text, torch) for n in names]
-        print(f"\n## training step (forward + backward + clip + AdamW), threads={args.threads}\n")
+        if args.isolate:
+            results = [isolated(n, args, torch) for n in names]
+        else:
+            results = [run_config(n, args, text, torch) for n in names]
+        how = "each engine in its own process" if args.isolate else "both engines in this process"
+        print(f"\n## training step (forward + backward + clip + AdamW), threads={args.threads}, "
+              f"{how}\n")
         print_results(results)
         record["results"] = results
     if args.json is not None:

@@ -83,27 +83,42 @@ def _find_blas_control():
     return False
 
 
-cdef int _blas_enter(int num_threads):
-    """Before a kernel: BLAS to one thread. Returns the previous BLAS thread count, or -1
-    when BLAS threads cannot be controlled (then the kernel runs on one thread).
+import threading
+
+_blas_lock = threading.Lock()
+_blas_users = 0            # kernels running now (Python threads may call them concurrently)
+_blas_saved = 0            # the BLAS thread count to restore when the last one finishes
+
+
+cdef int _blas_enter(int num_threads) except -2:
+    """Before a kernel: BLAS to one thread. Returns 0, or -1 when BLAS threads cannot be
+    controlled (then the kernel runs on one thread).
 
     NOTE: also with num_threads == 1: many small gemms each split over BLAS threads
     spend more time waking and joining them than multiplying."""
-    global _blas_control
+    global _blas_control, _blas_users, _blas_saved
     if _blas_control is None:
         _blas_control = _find_blas_control()
     if _blas_control is False:
         return -1
     get, put = _blas_control
-    prev = get()
-    if prev != 1:
-        put(1)
-    return prev
+    with _blas_lock:
+        if _blas_users == 0:
+            _blas_saved = get()
+            if _blas_saved != 1:
+                put(1)
+        _blas_users += 1
+    return 0
 
 
-cdef _blas_exit(int prev):
-    if prev > 1:
-        _blas_control[1](prev)
+cdef _blas_exit(int entered):
+    global _blas_users
+    if entered < 0:
+        return
+    with _blas_lock:
+        _blas_users -= 1
+        if _blas_users == 0 and _blas_saved > 1:
+            _blas_control[1](_blas_saved)
 
 
 def blas_thread_control_found():

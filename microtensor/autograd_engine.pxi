@@ -78,6 +78,25 @@ class AccumulateGrad:
         return "<AccumulateGrad>"
 
 
+cdef class SliceGrad:
+    """A gradient that is zero except on `grad_input[key]` (the backward of slicing).
+
+    The engine adds it straight into the input's gradient buffer, so taking three
+    slices of one tensor (the q, k, v split) costs one buffer, not three zero-filled
+    full-size arrays and two additions."""
+    cdef public object key, value
+    cdef public tuple shape
+    cdef public object dtype
+
+    def __init__(self, key, value, shape, dtype):
+        self.key, self.value, self.shape, self.dtype = key, value, shape, dtype
+
+    def dense(self):
+        out = np.zeros(self.shape, dtype=self.dtype)
+        out[self.key] = self.value
+        return out
+
+
 cdef inline bint _needs_graph(tuple inputs):
     """True when grad mode is on and some input requires grad."""
     if not _grad_enabled:
@@ -188,6 +207,11 @@ class detect_anomaly:
 
 cdef object _as_grad_array(object g, Tensor t):
     """Check one gradient coming out of a backward rule against its input tensor."""
+    if type(g) is SliceGrad:
+        if (<SliceGrad>g).shape != t._data.shape:
+            raise RuntimeError(f"internal error: slice gradient for shape {(<SliceGrad>g).shape} "
+                               f"reached an input of shape {t._data.shape}")
+        return g
     if g.dtype != t._data.dtype:
         g = g.astype(t._data.dtype)
     if g.shape != t._data.shape:
@@ -217,6 +241,30 @@ cdef _accumulate_leaf(Tensor t, object g):
             t._grad = Tensor._wrap(gd + g)
 
 
+cdef object _sum_into(dict pending, set owned, Node m, object gi):
+    """pending[m] += gi, in place when the engine owns pending[m]'s buffer
+    (a gradient handed over by a backward rule may be shared, so it is never written)."""
+    prev = pending.get(m)
+    if type(gi) is SliceGrad:
+        if prev is None:
+            pending[m] = (<SliceGrad>gi).dense()
+            owned.add(m)
+            return
+        if m not in owned:
+            prev = np.array(prev, copy=True)
+            pending[m] = prev
+            owned.add(m)
+        prev[(<SliceGrad>gi).key] += (<SliceGrad>gi).value
+        return
+    if prev is None:
+        pending[m] = gi
+    elif m in owned:
+        np.add(prev, gi, out=prev)
+    else:
+        pending[m] = prev + gi
+        owned.add(m)
+
+
 cdef _check_anomaly(Node node, tuple grads):
     for g in grads:
         if g is not None and g.dtype.kind == "f" and not np.isfinite(g).all():
@@ -242,6 +290,7 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
     cdef dict leaf_grads = {}  # id(leaf) -> [leaf, gradient]
     cdef list stack = []
     cdef list ready = []
+    cdef set owned = set()     # nodes whose pending buffer the engine allocated
     cdef dict captured = None  # id(tensor) -> gradient, for autograd.grad
     cdef set capture_nodes = None
     cdef object g
@@ -295,6 +344,7 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
     while ready:
         node = ready.pop()
         g = pending.pop(node, None)
+        owned.discard(node)
         if g is None:
             # reached only through inputs that produced no gradient
             _release_inputs(node, deps, ready)
@@ -329,6 +379,8 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                 if gi is None:
                     continue
                 gi = _as_grad_array(gi, t)
+                if type(gi) is SliceGrad:
+                    gi = (<SliceGrad>gi).dense()
                 key = id(t)
                 if key in leaf_grads:
                     leaf_grads[key][1] = leaf_grads[key][1] + gi
@@ -337,9 +389,7 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                 continue
             m = t._node
             if gi is not None:
-                gi = _as_grad_array(gi, t)
-                prev = pending.get(m)
-                pending[m] = gi if prev is None else prev + gi
+                _sum_into(pending, owned, m, _as_grad_array(gi, t))
             deps[m] -= 1
             if deps[m] == 0:
                 ready.append(m)

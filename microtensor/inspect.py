@@ -34,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 
+from microtensor import _core
 from microtensor._core import Tensor
 
 __all__ = ["GradientRecorder", "GradRecord", "ResidualUnit", "track_modules", "ModuleCalls",
@@ -207,6 +208,8 @@ def _skip_path_grad(y, x, region_nodes, residual_adds, grad_y):
         grads = node.backward(g) if g is not None else (None,) * len(node.inputs)
         for i, inp in edges(node):
             gi = grads[i]
+            if isinstance(gi, _core.SliceGrad):  # a slice's gradient, made dense here
+                gi = gi.dense()
             if is_x(inp):
                 if gi is not None:
                     grad_x = gi if grad_x is None else grad_x + gi

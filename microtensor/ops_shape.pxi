@@ -337,11 +337,11 @@ cdef class IndexBackward(Node):
     cdef object dtype
     cdef bint basic
     cpdef tuple backward(self, g):
-        dinp = np.zeros(self.shape, dtype=self.dtype)
         key = self.key
         if self.basic:
-            dinp[key] = g
-        elif isinstance(key, np.ndarray) and key.dtype == int64 and key.ndim == 1 \
+            return (SliceGrad(key, g, self.shape, self.dtype),)
+        dinp = np.zeros(self.shape, dtype=self.dtype)
+        if isinstance(key, np.ndarray) and key.dtype == int64 and key.ndim == 1 \
                 and dinp.ndim >= 1 and (self.dtype == float32 or self.dtype == float64):
             # the common gather of rows: a Cython scatter-add kernel
             idx = np.where(key < 0, key + self.shape[0], key)

@@ -139,6 +139,11 @@ def test_softmax_log_softmax():
     e = np.exp(x.numpy() - x.numpy().max(0))
     np.testing.assert_allclose(F.softmax(x, dim=0).numpy(), e / e.sum(0), rtol=1e-12)
     np.testing.assert_allclose(F.log_softmax(x, dim=0).numpy(), np.log(e / e.sum(0)), rtol=1e-12)
+    big = mt.tensor(np.array([[1e4, 0.0, -1e4, -np.inf]], np.float32))   # stable, -inf gives 0
+    np.testing.assert_allclose(F.softmax(big, -1).numpy(), [[1, 0, 0, 0]], atol=1e-7)
+    np.testing.assert_allclose(F.log_softmax(big, -1).numpy()[0, :3], [0, -1e4, -2e4], rtol=1e-6)
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        F.softmax(x, dim=2)
 
 
 @pytest.mark.parametrize("shape, k, affine", [
@@ -599,6 +604,29 @@ def test_a_wrong_rule_fails_gradcheck():
         mt.gradcheck(wrong_gelu, (randn(3, 3),))
 
 
+# ---- the two builds of the kernels (baseline and AVX2+FMA) agree --------------------------
+
+def test_kernel_builds_agree():
+    from microtensor import _fused
+    other = pytest.importorskip("microtensor._fused_avx2")
+    x = RNG.standard_normal(1000).astype(np.float32) * 4
+    x[:6] = [0.0, -0.0, 30.0, -30.0, 90.0, -90.0]
+    g = RNG.standard_normal(1000).astype(np.float32)
+    for name in ("gelu", "gelu_tanh", "silu"):
+        outs = []
+        for mod in (_fused, other):
+            y, d = np.empty_like(x), np.empty_like(x)
+            getattr(mod, name + "_forward")(y, x, 1)
+            getattr(mod, name + "_backward")(d, g, x, 1)
+            outs.append((y, d))
+        np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-6)
+    # and the float32 polynomials agree with float64 libm through the public ops
+    x64 = mt.tensor(x.astype(np.float64))
+    for fn in (F.gelu, lambda t: F.gelu(t, approximate="tanh"), F.silu, lambda t: F.softmax(t, 0)):
+        np.testing.assert_allclose(fn(mt.tensor(x)).numpy(), fn(x64).numpy(), rtol=2e-6, atol=1e-6)
+
+
 # ---- PyTorch ---------------------------------------------------------------------------
 
 def _torch_pair(torch, arr):
@@ -631,6 +659,8 @@ def test_matches_torch_elementwise_and_norms():
     _compare_with_torch(torch, lambda x, w: F.rms_norm(x, (4,), w),
                         lambda x, w: TF.rms_norm(x, (4,), w), [a(2, 3, 4), a(4)])
     _compare_with_torch(torch, F.mse_loss, TF.mse_loss, [a(3, 4), a(3, 4)])
+    _compare_with_torch(torch, lambda x: F.softmax(x, 1), lambda x: TF.softmax(x, 1), [a(3, 4, 5)])
+    _compare_with_torch(torch, lambda x: F.log_softmax(x, -1), lambda x: TF.log_softmax(x, -1), [a(3, 4, 5)])
     w = a(7, 3)
     idx = RNG.integers(0, 7, (2, 5))
     _compare_with_torch(torch, lambda w: F.embedding(mt.tensor(idx), w),

@@ -486,7 +486,7 @@ TORCH_OPTIONS = [
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("options", TORCH_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+@pytest.mark.parametrize("options", TORCH_OPTIONS, ids=gradcheck_layers.describe)
 def test_matches_pytorch(options, dtype):
     cfg = tiny_config(n_embd=32, n_head=4, **options)
     torch, reference = torch_gpt(cfg)

@@ -21,10 +21,17 @@ def _check(t):
     return t
 
 
-def _fill_random(t, values):
-    # sampled in float64 and rounded once into the tensor's dtype
-    t._data[...] = values
-    return t
+def _draw_into(t, draw):
+    """Fill t in place with draw(out=...) when numpy can write straight into it
+    (float32/float64, contiguous): no float64 temporary for a float32 weight."""
+    data = t._data
+    if data.dtype in (np.float32, np.float64) and data.flags.c_contiguous and data.flags.writeable:
+        draw(data.dtype, data)
+    else:
+        tmp = np.empty(data.shape, dtype=np.float64)
+        draw(np.float64, tmp)
+        data[...] = tmp
+    return data
 
 
 def normal_(tensor, mean=0.0, std=1.0):
@@ -32,7 +39,11 @@ def normal_(tensor, mean=0.0, std=1.0):
     _check(tensor)
     if std < 0:
         raise ValueError(f"normal_: std must be non-negative, got {std}")
-    return _fill_random(tensor, _core.default_generator().normal(mean, std, tensor.shape))
+    gen = _core.default_generator()
+    data = _draw_into(tensor, lambda dt, out: gen.standard_normal(out.shape, dtype=dt, out=out))
+    data *= std
+    data += mean
+    return tensor
 
 
 def uniform_(tensor, a=0.0, b=1.0):
@@ -40,7 +51,11 @@ def uniform_(tensor, a=0.0, b=1.0):
     _check(tensor)
     if a > b:
         raise ValueError(f"uniform_: expected a <= b, got a={a}, b={b}")
-    return _fill_random(tensor, _core.default_generator().uniform(a, b, tensor.shape))
+    gen = _core.default_generator()
+    data = _draw_into(tensor, lambda dt, out: gen.random(out.shape, dtype=dt, out=out))
+    data *= (b - a)
+    data += a
+    return tensor
 
 
 def constant_(tensor, val):
