@@ -475,3 +475,9 @@ def _cast(x, dtype, bint copy=False):
         node.dtype = t._data.dtype
         _attach(res, node, (t,))
     return res
+
+
+def sum_to_shape(grad, shape):
+    """unbroadcast() for Python-level backward rules (nn.functional): the one place
+    where broadcasting is undone."""
+    return unbroadcast(grad, tuple(shape))

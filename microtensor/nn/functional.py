@@ -90,11 +90,15 @@ def _grad_as(g, shape, dtype):
     return g.reshape(shape)
 
 
-_PARALLEL_MIN = 1 << 15   # elements: below this one thread is faster than waking two
+# Below these many elements one thread is faster than waking the others: kernels that
+# compute a transcendental per element pay off sooner than those that only move memory.
+_PARALLEL_MIN = 1 << 15
+_PARALLEL_MIN_MEMORY_BOUND = 1 << 18
 
 
-def _threads(work):
-    return _core.get_num_threads() if work >= _PARALLEL_MIN else 1
+def _threads(work, memory_bound=False):
+    return _core.get_num_threads() if work >= (
+        _PARALLEL_MIN_MEMORY_BOUND if memory_bound else _PARALLEL_MIN) else 1
 
 
 def _wants_grad(node, i):
@@ -107,17 +111,8 @@ def _check_reduction(reduction):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
-def _unbroadcast(g, shape):
-    """Sum g down to `shape` (undo numpy broadcasting)."""
-    if g.shape == tuple(shape):
-        return g
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = g.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
-    if axes:
-        g = g.sum(axis=axes, keepdims=True)
-    return g
+# broadcasting is undone in one place, the core's unbroadcast()
+_unbroadcast = _core.sum_to_shape
 
 
 # ---- activations -----------------------------------------------------------------
@@ -255,7 +250,7 @@ class LinearBackward(Node):
 
     def backward(self, g):
         x2d, w = self.x2d, self.weight                  # (M, in), (out, in)
-        g2d = g.reshape(-1, w.shape[0])                 # (M, out); a view when g is contiguous
+        g2d = _grad_as(g, (x2d.shape[0], w.shape[0]), w.dtype)   # (M, out); no copy if contiguous
         dx = dw = db = None
         if _wants_grad(self, 0):
             dx = (g2d @ w).reshape(self.x_shape)        # BLAS: no transpose needed
@@ -315,7 +310,7 @@ def _check_affine(p, normalized_shape, op, what):
 
 def _partials(R, n, dtype):
     """Per-thread partial sums for dweight / dbias: one row per chunk of input rows."""
-    chunks = _threads(R * n)
+    chunks = _threads(R * n, memory_bound=True)
     return np.zeros((chunks, n), dtype=dtype)
 
 
@@ -357,7 +352,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     mean = np.empty(R, x.dtype)
     rstd = np.empty(R, x.dtype)
     if x2.size:
-        _fused.layernorm_forward(out, mean, rstd, x2, w1, b1, float(eps), _threads(x2.size))
+        _fused.layernorm_forward(out, mean, rstd, x2, w1, b1, float(eps), _threads(x2.size, memory_bound=True))
     out = wrap(out.reshape(x.shape))
     inputs = (input, weight, bias)
     if needs_graph(inputs):
@@ -399,7 +394,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     out = np.empty_like(x2)
     rstd = np.empty(x2.shape[0], x.dtype)
     if x2.size:
-        _fused.rmsnorm_forward(out, rstd, x2, w1, float(eps), _threads(x2.size))
+        _fused.rmsnorm_forward(out, rstd, x2, w1, float(eps), _threads(x2.size, memory_bound=True))
     out = wrap(out.reshape(x.shape))
     inputs = (input, weight)
     if needs_graph(inputs):
@@ -451,7 +446,8 @@ class CrossEntropyBackward(Node):
         if self.reduction == "none":
             dlosses = np.ascontiguousarray(np.broadcast_to(g, self.out_shape), dtype=rows.dtype).reshape(-1)
         else:
-            scale = float(g) / (self.count if self.reduction == "mean" else 1.0)
+            # (with every target ignored nothing flows back: the kernel zeroes those rows)
+            scale = float(g) / max(self.count, 1) if self.reduction == "mean" else float(g)
             dlosses = np.full(M, scale, dtype=rows.dtype)
         dlogits = np.empty_like(rows)
         if rows.size:
@@ -589,7 +585,7 @@ class EmbeddingBackward(Node):
         dweight = np.zeros((V, D), dtype=self.dtype)
         g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(-1, D)
         if g2.size:
-            _fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size))
+            _fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size, memory_bound=True))
         if self.padding_idx is not None:
             dweight[self.padding_idx] = 0
         return (None, dweight)
@@ -617,7 +613,7 @@ def embedding(input, weight, padding_idx=None):
             raise IndexError(f"embedding: padding_idx {padding_idx} is out of range for num_embeddings={V}")
     out = np.empty((ids.shape[0], D), dtype=w.dtype)     # (M, D)
     if out.size:
-        _fused.embedding_forward(out, ids, _contig(w), _threads(out.size))
+        _fused.embedding_forward(out, ids, _contig(w), _threads(out.size, memory_bound=True))
     out = wrap(out.reshape(idx.shape + (D,)))
     if needs_graph((weight,)):
         node = EmbeddingBackward()
@@ -652,7 +648,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
         mask = np.empty_like(d)
         out = np.empty_like(d)
         _fused.dropout_forward(out.reshape(-1), mask.reshape(-1), d.reshape(-1), uniform,
-                               float(p), _threads(d.size))
+                               float(p), _threads(d.size, memory_bound=True))
     out = wrap(out)
     if needs_graph((input,)):
         node = DropoutBackward()
@@ -717,7 +713,8 @@ class AttentionBackward(Node):
             _attention.attention_backward(dq, dk, dv, dout, q, k, v, self.lse, self.slabs,
                                           self.index, self.has_mask, self.is_causal, self.scale,
                                           self.dropout_p, self.seed, self.block,
-                                          min(_core.get_num_threads(), q.shape[0]))
+                                          min(_threads(q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2]),
+                                              q.shape[0]))
         grads = []
         for d, shape in zip((dq, dk, dv), self.shapes):
             grads.append(_unbroadcast(d.reshape(self.batch + d.shape[1:]), shape))
@@ -775,7 +772,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:
         _attention.attention_forward(out3, lse, q3, k3, v3, slabs, index, attn_mask is not None,
                                      bool(is_causal), scale, float(dropout_p), seed,
-                                     block, min(_core.get_num_threads(), BH))
+                                     block, min(_threads(BH * Tq * Tk * hs), BH))
     out = wrap(out3.reshape(batch + (Tq, hv)))
     inputs = (query, key, value)
     if needs_graph(inputs):
