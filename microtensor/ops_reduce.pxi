@@ -259,86 +259,28 @@ def argmin(x, dim=None, keepdim=False):
     return argmax(neg(x), dim, keepdim)
 
 
-# ---- softmax / log_softmax: Cython kernels over rows of the last axis ---------------
+# ---- softmax / log_softmax ------------------------------------------------------
+# These are fused ops: their kernels are in _fused.pyx and their forward/backward rules
+# in nn/functional.py, which registers them here when it is imported, so t.softmax(dim),
+# mt.softmax and F.softmax all run the same code.
 
-cdef class SoftmaxBackward(Node):
-    """y = softmax(x);  dx = y * (g - sum(g * y))"""
-    cdef object out
-    cdef int dim
-    cpdef tuple backward(self, g):
-        y = np.moveaxis(self.out, self.dim, -1)
-        gy = _contig(np.moveaxis(g, self.dim, -1))
-        yc = _contig(y)
-        dinp = np.empty_like(yc)
-        n = yc.shape[-1]
-        softmax_backward(dinp.reshape(-1, n), gy.reshape(-1, n), yc.reshape(-1, n))
-        return (np.moveaxis(dinp, -1, self.dim),)
-
-    cpdef release(self):
-        self.out = None
+cdef object _softmax_impl = None
+cdef object _log_softmax_impl = None
 
 
-cdef class LogSoftmaxBackward(Node):
-    """y = log_softmax(x);  dx = g - exp(y) * sum(g)"""
-    cdef object out
-    cdef int dim
-    cpdef tuple backward(self, g):
-        yc = _contig(np.moveaxis(self.out, self.dim, -1))
-        gy = _contig(np.moveaxis(g, self.dim, -1))
-        dinp = np.empty_like(yc)
-        n = yc.shape[-1]
-        log_softmax_backward(dinp.reshape(-1, n), gy.reshape(-1, n), yc.reshape(-1, n))
-        return (np.moveaxis(dinp, -1, self.dim),)
-
-    cpdef release(self):
-        self.out = None
-
-
-cdef Tensor _softmax_like(object x, object dim, bint log):
-    cdef Tensor t = _t(x)
-    if dim is None:
-        raise TypeError("softmax() needs dim (which dimension to normalise over)")
-    d = _float_data(t)
-    if d.dtype != float32 and d.dtype != float64:
-        d = d.astype(float32)
-    cdef int ax = _norm_dim(dim, d.ndim)
-    if d.ndim == 0:
-        out = np.zeros_like(d) if log else np.ones_like(d)
-    else:
-        xc = _contig(np.moveaxis(d, ax, -1))
-        outc = np.empty_like(xc)
-        n = xc.shape[-1]
-        if xc.size:
-            if log:
-                log_softmax_forward(outc.reshape(-1, n), xc.reshape(-1, n))
-            else:
-                softmax_forward(outc.reshape(-1, n), xc.reshape(-1, n))
-        out = np.moveaxis(outc, -1, ax)
-    cdef Tensor res = Tensor._wrap(out)
-    cdef SoftmaxBackward snode
-    cdef LogSoftmaxBackward lnode
-    if _grad_enabled and t._requires_grad:
-        if d.ndim == 0:
-            return res
-        if log:
-            lnode = LogSoftmaxBackward.__new__(LogSoftmaxBackward)
-            lnode.out, lnode.dim = out, ax
-            _attach(res, lnode, (t,))
-        else:
-            snode = SoftmaxBackward.__new__(SoftmaxBackward)
-            snode.out, snode.dim = out, ax
-            _attach(res, snode, (t,))
-    return res
+def register_softmax(softmax_fn, log_softmax_fn):
+    global _softmax_impl, _log_softmax_impl
+    _softmax_impl, _log_softmax_impl = softmax_fn, log_softmax_fn
 
 
 def softmax(x, dim=None):
     """y = exp(x) / sum(exp(x)) along dim (computed stably)."""
-    return _softmax_like(x, dim, False)
+    return _softmax_impl(x, dim)
 
 
 def log_softmax(x, dim=None):
     """y = x - logsumexp(x) along dim."""
-    return _softmax_like(x, dim, True)
+    return _log_softmax_impl(x, dim)
 
 
 def logsumexp(x, dim, keepdim=False):

@@ -783,3 +783,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         node.batch, node.shapes, node.block = tuple(batch), (q.shape, k.shape, v.shape), block
         attach(out, node, inputs)
     return out
+
+
+# t.softmax(dim) and mt.softmax run these same rules
+_core.register_softmax(softmax, log_softmax)
