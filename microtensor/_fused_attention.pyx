@@ -41,8 +41,8 @@ cdef unsigned long long _MIX2 = 0x94D049BB133111EB
 # ---- BLAS threads ------------------------------------------------------------------
 # The kernels call gemm from inside an OpenMP parallel region, one (b, h) per thread.
 # A pthreads-built OpenBLAS (scipy's wheels) would then start its own threads as well:
-# oversubscription, and it warns that it "may hang". So for the length of a kernel call
-# scipy's OpenBLAS is set to one thread, and restored afterwards. scipy's wheels ship an
+# oversubscription, and it warns that it "may hang". So scipy's OpenBLAS is set to one
+# thread. scipy's wheels ship an
 # OpenBLAS of their own (numpy's is a different library), so numpy's matmul is untouched.
 # NOTE: openblas_set_num_threads_local is not per-thread in pthreads builds: not used.
 
@@ -83,42 +83,24 @@ def _find_blas_control():
     return False
 
 
-import threading
-
-_blas_lock = threading.Lock()
-_blas_users = 0            # kernels running now (Python threads may call them concurrently)
-_blas_saved = 0            # the BLAS thread count to restore when the last one finishes
 
 
 cdef int _blas_enter(int num_threads) except -2:
-    """Before a kernel: BLAS to one thread. Returns 0, or -1 when BLAS threads cannot be
-    controlled (then the kernel runs on one thread).
-
-    NOTE: also with num_threads == 1: many small gemms each split over BLAS threads
-    spend more time waking and joining them than multiplying."""
-    global _blas_control, _blas_users, _blas_saved
+    """Before a kernel: scipy's BLAS on one thread. It is pinned once and left there
+    (microtensor._blas does the same for every matmul): switching it back and forth on
+    every call woke and joined BLAS threads each time, which cost more than the work.
+    Returns 0, or -1 when BLAS threads cannot be controlled (the kernel then runs on one
+    thread)."""
+    global _blas_control
     if _blas_control is None:
         _blas_control = _find_blas_control()
-    if _blas_control is False:
-        return -1
-    get, put = _blas_control
-    with _blas_lock:
-        if _blas_users == 0:
-            _blas_saved = get()
-            if _blas_saved != 1:
-                put(1)
-        _blas_users += 1
-    return 0
+        if _blas_control is not False:
+            _blas_control[1](1)
+    return -1 if _blas_control is False else 0
 
 
 cdef _blas_exit(int entered):
-    global _blas_users
-    if entered < 0:
-        return
-    with _blas_lock:
-        _blas_users -= 1
-        if _blas_users == 0 and _blas_saved > 1:
-            _blas_control[1](_blas_saved)
+    pass
 
 
 def blas_thread_control_found():

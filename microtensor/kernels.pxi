@@ -10,7 +10,19 @@ ctypedef fused real:
     float
     double
 
-cdef int _num_threads = 2
+cdef int _default_threads():
+    """OMP_NUM_THREADS when set, else the cores this process may run on."""
+    import os
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+cdef int _num_threads = _default_threads()
 cdef Py_ssize_t _PARALLEL_MIN = 1 << 15  # below this, one thread is faster
 
 

@@ -382,6 +382,25 @@ def index_select(x, dim, index):
 
 # ---- matmul ----------------------------------------------------------------------
 
+from microtensor import _blas
+
+
+cdef object _mm(object x, object y):
+    """x @ y with numpy's semantics; float32/float64 products of 2-D and 3-D operands
+    go to microtensor._blas (one thread pool, transposes as flags), the rest to numpy."""
+    if x.dtype != y.dtype or (x.dtype != float32 and x.dtype != float64):
+        return np.matmul(x, y)
+    cdef int nt = _num_threads
+    if x.ndim == 2 and y.ndim == 2:
+        return _blas.gemm(x, y, num_threads=nt)
+    if x.ndim >= 3 and y.ndim == 2:
+        # (..., T, C) @ (C, N): one 2-D product over all rows instead of many small ones
+        out = _blas.gemm(x.reshape(-1, x.shape[-1]), y, num_threads=nt)
+        return out.reshape(x.shape[:-1] + (y.shape[1],))
+    if x.ndim == 3 and y.ndim == 3 and x.shape[0] == y.shape[0]:
+        return _blas.batched_gemm(x, y, num_threads=nt)
+    return np.matmul(x, y)
+
 cdef class MatmulBackward(Node):
     """y = a @ b;  da = g @ b^T,  db = a^T @ g   (batch dims unbroadcast)"""
     cdef object a, b
@@ -396,24 +415,16 @@ cdef class MatmulBackward(Node):
             g = np.expand_dims(g, -1)
         da = db = None
         if self.inputs[0] is not None:
-            if b2.ndim == 2 and g.ndim > 2:
-                # (B, T, N) @ (N, K): one 2-D BLAS call instead of B small ones
-                da = (g.reshape(-1, g.shape[-1]) @ b2.T).reshape(g.shape[:-1] + (b2.shape[0],))
-            else:
-                da = np.matmul(g, np.swapaxes(b2, -1, -2))
+            da = _mm(g, np.swapaxes(b2, -1, -2))
             if a1:
                 da = da.reshape(da.shape[:-2] + (da.shape[-1],))
             da = unbroadcast(da, a.shape)
         if self.inputs[1] is not None:
             if b2.ndim == 2 and a2.ndim > 2:
-                # sum over the batch of a_i^T g_i = one 2-D BLAS call on flattened rows
-                db = a2.reshape(-1, a2.shape[-1]).T @ g.reshape(-1, g.shape[-1])
-            elif a2.ndim == 2 and g.ndim > 2 and b2.ndim == 2:
-                # (.., M, K)^T @ (.., M, N) summed over the batch = one 2-D BLAS call
-                a_flat = np.broadcast_to(a2, g.shape[:-2] + a2.shape).reshape(-1, a2.shape[-1])
-                db = a_flat.T @ g.reshape(-1, g.shape[-1])
+                # sum over the batch of a_i^T g_i = one 2-D product of the flattened rows
+                db = _mm(a2.reshape(-1, a2.shape[-1]).T, g.reshape(-1, g.shape[-1]))
             else:
-                db = np.matmul(np.swapaxes(a2, -1, -2), g)
+                db = _mm(np.swapaxes(a2, -1, -2), g)
             if b1:
                 db = db[..., 0]
             db = unbroadcast(db, b.shape)
@@ -434,11 +445,7 @@ def matmul(a, b):
         raise ShapeError(f"matmul: shapes {x.shape} and {y.shape} cannot be multiplied "
                          f"({kx} != {ky} in the inner dimension)")
     try:
-        if x.ndim == 3 and y.ndim == 2 and x.flags.c_contiguous:
-            # (B, T, C) @ (C, N): one 2-D BLAS call instead of B small ones
-            out = (x.reshape(-1, kx) @ y).reshape(x.shape[0], x.shape[1], y.shape[1])
-        else:
-            out = np.matmul(x, y)
+        out = _mm(x, y)
     except ValueError:
         raise ShapeError(f"matmul: batch dims of {x.shape} and {y.shape} cannot be broadcast") from None
     out = _promote(out, x, y)

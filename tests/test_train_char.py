@@ -257,6 +257,11 @@ def test_resume_with_another_shape_names_the_mismatch(trained, tmp_path):
                  "--pos rope", "pos=learned")
     expect_error(train_char, ["--resume", "--out_dir", str(tmp_path)],
                  "no checkpoint", "ckpt_last.safetensors")
+    # the vocabulary is the checkpoint's: new text must not bring new characters
+    snowy = tmp_path / "snowy.txt"
+    snowy.write_text("let it snow ☃ " * 500, encoding="utf-8")
+    expect_error(train_char, ["--resume", "--out_dir", out_dir, "--data", str(snowy)],
+                 "not in the vocabulary", "'☃' (U+2603)")
     expect_error(train_char, ["--n_embd", "30", "--n_head", "4", "--out_dir", str(tmp_path)],
                  "n_embd=30", "n_head=4")
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 import microtensor._core as _core
+from microtensor import _blas
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 
 
@@ -252,10 +253,11 @@ class LinearBackward(Node):
         x2d, w = self.x2d, self.weight                  # (M, in), (out, in)
         g2d = _grad_as(g, (x2d.shape[0], w.shape[0]), w.dtype)   # (M, out); no copy if contiguous
         dx = dw = db = None
+        nt = _core.get_num_threads()
         if _wants_grad(self, 0):
-            dx = (g2d @ w).reshape(self.x_shape)        # BLAS: no transpose needed
+            dx = _blas.gemm(g2d, w, num_threads=nt).reshape(self.x_shape)
         if _wants_grad(self, 1):
-            dw = g2d.T @ x2d                            # NOTE: .T is a view, BLAS reads it as 'T'
+            dw = _blas.gemm(g2d.T, x2d, num_threads=nt)  # NOTE: .T is a view, passed as a 'T' flag
         if len(self.inputs) > 2 and _wants_grad(self, 2):
             db = g2d.sum(axis=0)
         return (dx, dw, db)
@@ -276,7 +278,7 @@ def linear(input, weight, bias=None):
         raise ShapeError(f"linear: bias shape {b.shape} does not fit weight shape {w.shape} "
                          f"(expected ({w.shape[0]},))")
     x2d = x.reshape(-1, w.shape[1])                     # (M, in); a view when x is contiguous
-    out2d = x2d @ w.T                                   # (M, out)
+    out2d = _blas.gemm(x2d, w.T, num_threads=_core.get_num_threads())   # (M, out); w.T as a flag
     if b is not None:
         out2d += b
     out = wrap(out2d.reshape(x.shape[:-1] + (w.shape[0],)))

@@ -1,0 +1,209 @@
+# cython: embedsignature=True, wraparound=True
+"""Matrix products for the hot path: BLAS gemm with transposes passed as flags, split
+over microtensor's OpenMP threads.
+
+Why not numpy's `@`? numpy's OpenBLAS runs its own thread pool, and microtensor's
+kernels run OpenMP's. On a 2-core machine the two pools take turns spinning on the
+same cores, and a small model's step got 10-100x slower with 2 threads than with 1.
+So every matmul of the engine goes through here instead: one thread pool (OpenMP),
+each thread calling a single-threaded gemm of scipy's BLAS (cython_blas, callable
+without the GIL) on its own block of output rows. scipy's OpenBLAS is a separate
+library from numpy's: pinning it to one thread leaves numpy's `@` untouched.
+
+Row-major arrays meet column-major BLAS through one identity: a row-major (r, c)
+array is, read column-major, its transpose (c, r). So row-major C = A @ B is computed
+as column-major C^T = B^T @ A^T, and a transposed view (W.T) is passed as the
+untransposed array plus a 'T' flag: no copy.
+"""
+import numpy as np
+from cython.parallel cimport prange
+from scipy.linalg.cython_blas cimport sgemm, dgemm
+cimport cython
+
+ctypedef fused real:
+    float
+    double
+
+cdef Py_ssize_t _PARALLEL_MIN_FLOPS = 1 << 17   # below this a second thread costs more
+
+
+# ---- scipy's OpenBLAS: one thread, once ---------------------------------------------
+
+_pinned = None
+
+
+def pin_blas_threads():
+    """Set the OpenBLAS behind scipy's cython_blas to one thread (microtensor splits the
+    work itself). Returns True when that library was found and pinned."""
+    global _pinned
+    if _pinned is not None:
+        return _pinned
+    import ctypes
+    import glob
+    import os
+    import scipy
+    import scipy.linalg.cython_blas  # loads the library, so it shows in /proc/self/maps
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(None, 5)[-1]
+                if "openblas" in os.path.basename(path).lower() and "numpy" not in path:
+                    paths.append(path)
+    except OSError:
+        pass
+    scipy_dir = os.path.dirname(os.path.abspath(scipy.__file__))
+    paths += glob.glob(os.path.join(scipy_dir + ".libs", "*openblas*"))
+    paths += glob.glob(os.path.join(scipy_dir, ".dylibs", "*openblas*"))
+    _pinned = False
+    for path in dict.fromkeys(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas_", ""), ("scipy_openblas_", "64_"), ("openblas_", "")):
+            put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+            if put is not None:
+                put.argtypes = [ctypes.c_int]
+                put(1)
+                _pinned = True
+                return True
+    return False
+
+
+# ---- the kernel ---------------------------------------------------------------------
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
+                     real* a, int lda, real* b, int ldb, real beta,
+                     real* c, int nthreads) noexcept nogil:
+    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C, rows split over threads.
+
+    a: A's storage; ta = 'N' when it is (M, K) row-major, 'T' when it is (K, M).
+    b: B's storage; tb = 'N' when it is (K, N) row-major, 'T' when it is (N, K)."""
+    cdef int chunk, i, r0, rows, nchunks
+    cdef char fa, fb
+    cdef real* a_block
+    # column-major flags for C^T = op(B)^T op(A)^T (see the module docstring)
+    fb = b'N' if tb == b'N' else b'T'
+    fa = b'N' if ta == b'N' else b'T'
+    nchunks = nthreads if M >= nthreads else 1
+    chunk = (M + nchunks - 1) // nchunks
+    for i in prange(nchunks, nogil=True, num_threads=nchunks, schedule="static"):
+        r0 = i * chunk
+        rows = M - r0 if M - r0 < chunk else chunk
+        if rows > 0:
+            # rows r0.. of op(A): row offset in (M, K) storage, column offset in (K, M)
+            a_block = a + (<Py_ssize_t>r0 * lda if ta == b'N' else r0)
+            if real is float:
+                sgemm(&fb, &fa, &N, &rows, &K, &alpha, b, &ldb, a_block, &lda,
+                      &beta, c + <Py_ssize_t>r0 * N, &N)
+            else:
+                dgemm(&fb, &fa, &N, &rows, &K, &alpha, b, &ldb, a_block, &lda,
+                      &beta, c + <Py_ssize_t>r0 * N, &N)
+
+
+cdef tuple _operand(object x):
+    """(C-contiguous storage, transposed?) for a 2-D array: a transposed view of a
+    contiguous array is passed as that array plus a 'T' flag, anything else is copied."""
+    if x.flags.c_contiguous:
+        return x, False
+    if x.flags.f_contiguous:
+        return x.T, True
+    return np.ascontiguousarray(x), False
+
+
+def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
+    """out = a @ b (+ beta * out) for 2-D float32/float64 arrays of one dtype.
+
+    a (M, K) and b (K, N) may be contiguous or transposed views of contiguous arrays;
+    `out` (M, N), when given, must be C-contiguous."""
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"gemm takes 2-D arrays, got shapes {a.shape} and {b.shape}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"gemm: shapes {a.shape} and {b.shape} do not multiply")
+    if a.dtype != b.dtype or a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8):
+        raise TypeError(f"gemm takes float32 or float64 arrays of one dtype, got {a.dtype} and {b.dtype}")
+    cdef int M = a.shape[0], K = a.shape[1], N = b.shape[1]
+    if out is None:
+        out = np.empty((M, N), dtype=a.dtype)
+        beta = 0.0
+    elif out.shape != (M, N) or out.dtype != a.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"gemm: out must be a C-contiguous {a.dtype} array of shape {(M, N)}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        if beta == 0.0:
+            out[...] = 0
+        else:
+            out *= beta
+        return out
+    a_st, ta = _operand(a)
+    b_st, tb = _operand(b)
+    # leading dimensions of the row-major storages
+    cdef int lda = a_st.shape[1], ldb = b_st.shape[1]
+    cdef int nthreads = num_threads
+    if <double>M * N * K < _PARALLEL_MIN_FLOPS or nthreads < 1:
+        nthreads = 1
+    cdef char cta = b'T' if ta else b'N'
+    cdef char ctb = b'T' if tb else b'N'
+    cdef float[:, ::1] fa, fb, fc
+    cdef double[:, ::1] da, db, dc
+    if a.dtype.itemsize == 4:
+        fa, fb, fc = a_st, b_st, out
+        _gemm_rows[float](cta, ctb, M, N, K, 1.0, &fa[0, 0], lda, &fb[0, 0], ldb, <float>beta,
+                          &fc[0, 0], nthreads)
+    else:
+        da, db, dc = a_st, b_st, out
+        _gemm_rows[double](cta, ctb, M, N, K, 1.0, &da[0, 0], lda, &db[0, 0], ldb, beta,
+                           &dc[0, 0], nthreads)
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def batched_gemm(a, b, out=None, int num_threads=1):
+    """out[i] = a[i] @ b[i] for 3-D arrays (batch, M, K) @ (batch, K, N); each of a[i],
+    b[i] contiguous or a transposed view. Threads take whole matrices."""
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"batched_gemm: shapes {a.shape} and {b.shape} do not multiply")
+    if a.dtype != b.dtype or a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8):
+        raise TypeError(f"batched_gemm takes float32 or float64 arrays of one dtype, got {a.dtype} and {b.dtype}")
+    cdef int L = a.shape[0], M = a.shape[1], K = a.shape[2], N = b.shape[2]
+    if out is None:
+        out = np.empty((L, M, N), dtype=a.dtype)
+    if L == 0 or M == 0 or N == 0:
+        return out
+    if K == 0:
+        out[...] = 0
+        return out
+    # each matrix as storage + flag: the last two axes contiguous, or swapped
+    ta = not (a.strides[2] == a.itemsize and a.strides[1] == K * a.itemsize)
+    tb = not (b.strides[2] == b.itemsize and b.strides[1] == N * b.itemsize)
+    a_st = np.ascontiguousarray(a) if not ta else np.ascontiguousarray(a.transpose(0, 2, 1))
+    b_st = np.ascontiguousarray(b) if not tb else np.ascontiguousarray(b.transpose(0, 2, 1))
+    cdef int lda = a_st.shape[2], ldb = b_st.shape[2]
+    cdef char fa = b'T' if ta else b'N'
+    cdef char fb = b'T' if tb else b'N'
+    cdef int nthreads = num_threads if <double>L * M * N * K >= _PARALLEL_MIN_FLOPS else 1
+    cdef Py_ssize_t i, sa = <Py_ssize_t>M * K, sb = <Py_ssize_t>K * N, sc = <Py_ssize_t>M * N
+    cdef float alpha_f = 1, beta_f = 0
+    cdef double alpha_d = 1, beta_d = 0
+    cdef float[:, :, ::1] fa3, fb3, fc3
+    cdef double[:, :, ::1] da3, db3, dc3
+    if a.dtype.itemsize == 4:
+        fa3, fb3, fc3 = a_st, b_st, out
+        for i in prange(L, nogil=True, num_threads=nthreads, schedule="static"):
+            sgemm(&fb, &fa, &N, &M, &K, &alpha_f, &fb3[i, 0, 0], &ldb, &fa3[i, 0, 0], &lda,
+                  &beta_f, &fc3[i, 0, 0], &N)
+    else:
+        da3, db3, dc3 = a_st, b_st, out
+        for i in prange(L, nogil=True, num_threads=nthreads, schedule="static"):
+            dgemm(&fb, &fa, &N, &M, &K, &alpha_d, &db3[i, 0, 0], &ldb, &da3[i, 0, 0], &lda,
+                  &beta_d, &dc3[i, 0, 0], &N)
+    return out
+
+
+# Pin before any gemm runs inside a parallel region.
+pin_blas_threads()
