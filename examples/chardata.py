@@ -241,13 +241,15 @@ def load_checkpoint(path):
 def newest_checkpoint(out_dir):
     """The most recently written *.safetensors in out_dir (ckpt_last wins a tie)."""
     try:
-        names = [n for n in os.listdir(out_dir) if n.endswith(".safetensors") and not n.startswith(".")]
+        names = [n for n in os.listdir(out_dir)
+                 if n.endswith(".safetensors") and not n.startswith(".")]
     except FileNotFoundError:
         raise CharDataError(f"output directory not found: {out_dir}") from None
     if not names:
         raise CharDataError(f"no checkpoint (*.safetensors) in {out_dir}")
     paths = [os.path.join(out_dir, n) for n in names]
-    return max(paths, key=lambda p: (os.path.getmtime(p), os.path.basename(p) == "ckpt_last.safetensors"))
+    return max(paths, key=lambda p: (os.path.getmtime(p),
+                                     os.path.basename(p) == "ckpt_last.safetensors"))
 
 
 def build_model(config_dict, model_state=None, source="checkpoint"):

@@ -30,7 +30,8 @@ def build_parser():
 
     def option(name, type, help):
         default = DEFAULTS[name]
-        shown = "none" if default is None else repr(default) if isinstance(default, str) else default
+        shown = "none" if default is None else repr(default) if isinstance(default, str) \
+            else default
         p.add_argument(f"--{name}", type=type, default=default, metavar=name.upper(),
                        help=f"{help} (default: {shown})")
 

@@ -246,7 +246,7 @@ def main(argv=None):
         train_data, val_data = chardata.train_val_split(ids, run["block_size"], data_name)
     except CharDataError as e:
         fail(str(e))
-    if checkpoint is not None and checkpoint[2].get("data_sha256") != chardata.text_fingerprint(text):
+    if checkpoint and checkpoint[2].get("data_sha256") != chardata.text_fingerprint(text):
         print(f"note: {data_name} differs from the text this checkpoint was trained on",
               file=sys.stderr)
     splits = {"train": train_data, "val": val_data}
@@ -294,7 +294,6 @@ def main(argv=None):
         if iter_num > run["max_iters"]:
             fail(f"the checkpoint is at iteration {iter_num}, beyond --max_iters "
                  f"{run['max_iters']}; give a larger --max_iters to continue")
-    start_iter = iter_num
     tokens_per_iter = run["batch_size"] * run["block_size"] * run["grad_accum"]
     n_params = model.num_parameters()
     print(f"{data_name}: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
@@ -370,7 +369,8 @@ def main(argv=None):
         info = dict(
             run=run, config=dataclasses.asdict(config), vocab=tokenizer.chars,
             iter=iter_num, best_val_loss=best_val_loss,
-            mt_rng_state=json.loads(mt.get_rng_state()), batch_rng_state=batch_rng.bit_generator.state,
+            mt_rng_state=json.loads(mt.get_rng_state()),
+            batch_rng_state=batch_rng.bit_generator.state,
             data_sha256=chardata.text_fingerprint(text))
         try:
             chardata.save_checkpoint(path, model, optimizer, info)
@@ -408,7 +408,7 @@ def main(argv=None):
     # the training loop
     model.train()
     progress = tqdm(total=run["max_iters"], initial=iter_num, unit="it", dynamic_ncols=True,
-                    disable=None)  # None: no bar when stdout is not a terminal
+                    disable=None)  # None: no bar when stderr is not a terminal (logs)
     train_seconds, train_tokens = 0.0, 0   # since the last evaluation, for tokens/s
     smoothed_tps = None
     try:
@@ -425,8 +425,8 @@ def main(argv=None):
                 group["lr"] = lr
 
             eval_due = iter_num % run["eval_interval"] == 0 or iter_num == run["max_iters"]
-            if eval_due and not (checkpoint is not None and iter_num == start_iter):
-                # (a resumed run already logged the evaluation at its checkpoint)
+            already_logged = bool(rows) and rows[-1][0] == iter_num  # resumed at an eval
+            if eval_due and not already_logged:
                 losses = estimate_loss()
                 if losses is None:
                     continue

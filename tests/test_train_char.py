@@ -5,7 +5,6 @@ import collections
 import contextlib
 import csv
 import io
-import json
 import math
 import os
 import signal
@@ -119,7 +118,8 @@ def test_outputs_checkpoint_plot_and_metadata(trained):
     model = chardata.build_model(info["config"], model_state)
     n_matrices = sum(1 for p in model.parameters() if p.ndim >= 2)
     assert len(optimizer_state["param_groups"][0]["params"]) == n_matrices
-    assert len(optimizer_state["param_groups"][1]["params"]) == len(list(model.parameters())) - n_matrices
+    n_others = len(list(model.parameters())) - n_matrices
+    assert len(optimizer_state["param_groups"][1]["params"]) == n_others
 
 
 def test_get_lr_warms_up_then_decays_to_min_lr():
