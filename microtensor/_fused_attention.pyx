@@ -42,61 +42,17 @@ cdef unsigned long long _MIX2 = 0x94D049BB133111EB
 # The kernels call gemm from inside an OpenMP parallel region, one (b, h) per thread.
 # A pthreads-built OpenBLAS (scipy's wheels) would then start its own threads as well:
 # oversubscription, and it warns that it "may hang". So scipy's OpenBLAS is set to one
-# thread. scipy's wheels ship an
-# OpenBLAS of their own (numpy's is a different library), so numpy's matmul is untouched.
+# thread (microtensor._blas.pin_blas_threads; numpy's OpenBLAS is another library).
 # NOTE: openblas_set_num_threads_local is not per-thread in pthreads builds: not used.
 
-_blas_control = None       # (get_num_threads, set_num_threads) or False when not found
-
-
-def _find_blas_control():
-    """The ctypes get/set thread functions of the OpenBLAS behind scipy's cython_blas."""
-    import ctypes
-    import glob
-    import os
-    import scipy
-    import scipy.linalg.cython_blas       # make sure its BLAS is loaded (and in the maps)
-    scipy_dir = os.path.dirname(os.path.abspath(scipy.__file__))
-    paths = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(None, 5)[-1]
-                if "openblas" in os.path.basename(path).lower() and "numpy" not in path:
-                    paths.append(path)
-    except OSError:
-        pass
-    paths += glob.glob(os.path.join(scipy_dir + ".libs", "*openblas*"))
-    paths += glob.glob(os.path.join(scipy_dir, ".dylibs", "*openblas*"))
-    for path in dict.fromkeys(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix, suffix in (("scipy_openblas_", ""), ("scipy_openblas_", "64_"), ("openblas_", "")):
-            get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
-            put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
-            if get is not None and put is not None:
-                get.restype = ctypes.c_int
-                put.argtypes = [ctypes.c_int]
-                return get, put
-    return False
-
-
+from microtensor._blas import pin_blas_threads
 
 
 cdef int _blas_enter(int num_threads) except -2:
-    """Before a kernel: scipy's BLAS on one thread. It is pinned once and left there
-    (microtensor._blas does the same for every matmul): switching it back and forth on
-    every call woke and joined BLAS threads each time, which cost more than the work.
-    Returns 0, or -1 when BLAS threads cannot be controlled (the kernel then runs on one
-    thread)."""
-    global _blas_control
-    if _blas_control is None:
-        _blas_control = _find_blas_control()
-        if _blas_control is not False:
-            _blas_control[1](1)
-    return -1 if _blas_control is False else 0
+    """Before a kernel: scipy's BLAS on one thread (pinned once by microtensor._blas and
+    left there). Returns 0, or -1 when its threads cannot be controlled (the kernel then
+    runs on one thread)."""
+    return 0 if pin_blas_threads() else -1
 
 
 cdef _blas_exit(int entered):
@@ -104,11 +60,8 @@ cdef _blas_exit(int entered):
 
 
 def blas_thread_control_found():
-    """True when the BLAS threads can be pinned during a kernel (else kernels use one thread)."""
-    global _blas_control
-    if _blas_control is None:
-        _blas_control = _find_blas_control()
-    return _blas_control is not False
+    """True when the BLAS threads are pinned to one (else kernels use one thread)."""
+    return pin_blas_threads()
 
 
 cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,
