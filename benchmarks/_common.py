@@ -40,14 +40,17 @@ def try_import_torch():
 # ---- threads ---------------------------------------------------------------------
 
 def setup_threads(n, torch=None, scipy_blas_threads=None):
-    """Give every engine the same thread budget: microtensor's kernels, the BLAS
-    libraries loaded (numpy's, which microtensor's matmuls use, and scipy's, whose gemm
-    microtensor's attention kernel calls from inside its own threads), and torch's
-    intra-op pool. `scipy_blas_threads` overrides the count of scipy's BLAS alone."""
+    """Give every engine the same thread budget: microtensor's kernels and matmuls
+    (one OpenMP pool, mt.set_num_threads), numpy's BLAS (numpy's own `@`, the numpy
+    column of bench_ops / bench_matmul), and torch's intra-op pool.
+
+    NOTE: scipy's OpenBLAS is left alone: microtensor calls its gemm from inside its
+    own threads and pins it to one thread. `scipy_blas_threads` overrides that, for
+    experiments only."""
     import microtensor as mt
     from microtensor.threads import set_blas_threads
     mt.set_num_threads(n)
-    set_blas_threads(n)
+    set_blas_threads(n, library="numpy")
     if scipy_blas_threads is not None:
         set_blas_threads(scipy_blas_threads, library="scipy.libs")
     if torch is not None:

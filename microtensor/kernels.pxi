@@ -168,3 +168,14 @@ def scatter_add_rows(real[:, ::1] dst, const long long[::1] index, const real[:,
             row = index[i]
             for j in range(D):
                 dst[row, j] += src[i, j]
+
+
+@cython.wraparound(False)
+def sum_of_squares(const real[::1] x, int num_threads=1):
+    """sum(x^2) accumulated in double, in one pass (clip_grad_norm_'s inner loop)."""
+    cdef Py_ssize_t i, n = x.shape[0]
+    cdef double total = 0
+    for i in prange(n, nogil=True, num_threads=num_threads if n >= _PARALLEL_MIN else 1,
+                    schedule="static"):
+        total += <double>x[i] * x[i]
+    return total

@@ -7,8 +7,8 @@ its `openblas_set_num_threads`, which this module finds with ctypes among the sh
 libraries mapped into the process (/proc/self/maps), so no extra dependency is needed.
 
     from microtensor.threads import set_blas_threads, blas_info
-    set_blas_threads(2)          # every OpenBLAS loaded in this process
-    mt.set_num_threads(2)        # microtensor's own (OpenMP) kernels
+    set_blas_threads(2)          # numpy's OpenBLAS (numpy's own `@`)
+    mt.set_num_threads(2)        # microtensor's kernels and matmuls (OpenMP)
     set_threads(2)               # both at once
 """
 import ctypes
@@ -102,17 +102,19 @@ def _loaded_blas():
     return [b for b in libs if b._set is not None]
 
 
-def set_blas_threads(n, library=None):
-    """Set the thread count of every OpenBLAS loaded in this process (or only of those
-    whose path contains `library`, e.g. "numpy.libs" or "scipy.libs"); returns how many
-    libraries were set (0 when none was found, e.g. numpy on another BLAS).
+def set_blas_threads(n, library="numpy"):
+    """Set the thread count of the OpenBLAS whose path contains `library` (default:
+    numpy's, the one behind numpy's `@`); library="all" sets every OpenBLAS loaded.
+    Returns how many libraries were set (0 when none was found, e.g. numpy on
+    another BLAS).
 
-    NOTE: numpy and scipy each ship their own OpenBLAS; microtensor's matmuls use
-    numpy's, its attention kernel calls scipy's gemm from inside its own threads."""
+    NOTE: scipy ships its own OpenBLAS, and microtensor's matmul and attention kernels
+    call its gemm from inside their own OpenMP threads, pinned to one thread
+    (microtensor._blas.pin_blas_threads); library="all" would undo that pin."""
     n = int(n)
     if n < 1:
         raise ValueError(f"number of threads must be at least 1, got {n}")
-    libs = [b for b in _loaded_blas() if library is None or library in b.path]
+    libs = [b for b in _loaded_blas() if library == "all" or library in b.path]
     for b in libs:
         b.set_num_threads(n)
     return len(libs)
@@ -135,6 +137,6 @@ def blas_info():
 
 
 def set_threads(n):
-    """Set both microtensor's kernel threads and the BLAS threads to n."""
+    """Set both microtensor's kernel threads and numpy's BLAS threads to n."""
     _core.set_num_threads(int(n))
     set_blas_threads(n)

@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 
+from microtensor import _core
 from microtensor._core import Tensor, wrap
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
@@ -12,6 +13,13 @@ def _grads(parameters):
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     return [p._grad for p in parameters if p._grad is not None]
+
+
+def _sum_of_squares(a, num_threads):
+    if a.dtype in (np.float32, np.float64):
+        return _core.sum_of_squares(np.ascontiguousarray(a).reshape(-1), num_threads)
+    a = a.astype(np.float64).ravel()
+    return float(np.dot(a, a))
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -30,8 +38,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if math.isinf(norm_type):
         total = max(float(np.abs(g._data).max(initial=0.0)) for g in grads)
     elif norm_type == 2.0:
-        total = math.sqrt(sum(float(np.vdot(a, a)) for a in
-                              (g._data.astype(np.float64, copy=False).ravel() for g in grads)))
+        # one pass over each gradient, no float64 copy (a Cython kernel of the core)
+        nt = _core.get_num_threads()
+        total = math.sqrt(sum(_sum_of_squares(g._data, nt) for g in grads))
     else:
         total = sum(float(np.sum(np.abs(g._data.astype(np.float64)) ** norm_type))
                     for g in grads) ** (1.0 / norm_type)
