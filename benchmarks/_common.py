@@ -19,10 +19,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:  # run as `python benchmarks/x.py` from anywhere
-    sys.path.insert(0, ROOT)
-
-DEFAULT_DATA = "/work/shared/data/tinyshakespeare.txt"
+# the corpus of the benchmarks: shared/ sits beside the repository
+DEFAULT_DATA = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt"))
 
 
 # ---- optional torch ------------------------------------------------------------

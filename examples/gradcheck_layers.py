@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import microtensor as mt  # noqa: E402
 from models import (GPT, GPTConfig, MultiHeadAttention,  # noqa: E402
                     SinusoidalPositionalEncoding, LearnedPositionalEmbedding, RotaryEmbedding,

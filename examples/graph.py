@@ -15,7 +15,6 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, REPO)  # microtensor and models, when run as python examples/...
 
 import microtensor as mt  # noqa: E402
 from microtensor import inspect as mti  # noqa: E402

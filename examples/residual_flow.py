@@ -28,7 +28,6 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, REPO)  # microtensor and models, when run as python examples/...
 
 import microtensor as mt  # noqa: E402
 from microtensor import inspect as mti  # noqa: E402

@@ -116,6 +116,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # the repository root, so that `python examples/sample.py` finds microtensor
-    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())

@@ -176,5 +176,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())

@@ -17,9 +17,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-for path in (ROOT, EXAMPLES):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
 
 import chardata      # noqa: E402
 import microtensor as mt  # noqa: E402
