@@ -25,6 +25,7 @@ from microtensor import autograd
 from microtensor.autograd import gradcheck
 from microtensor import nn, optim
 from microtensor import inspect
+from microtensor.threads import set_blas_threads, get_blas_threads, blas_info, set_threads
 from microtensor.serialization import save, load
 
 clip = clamp
