@@ -385,6 +385,9 @@ def index_select(x, dim, index):
 from microtensor import _blas
 
 
+cdef Py_ssize_t _SMALL_MATMUL = 1 << 14   # multiply-adds
+
+
 cdef object _mm(object x, object y):
     """x @ y with numpy's semantics; float32/float64 products of 2-D and 3-D operands
     go to microtensor._blas (one thread pool, transposes as flags), the rest to numpy."""
@@ -392,6 +395,8 @@ cdef object _mm(object x, object y):
         return np.matmul(x, y)
     cdef int nt = _num_threads
     if x.ndim == 2 and y.ndim == 2:
+        if x.shape[0] * x.shape[1] * y.shape[1] < _SMALL_MATMUL:
+            return np.matmul(x, y)  # tiny: numpy's call costs less, and runs on one thread
         return _blas.gemm(x, y, num_threads=nt)
     if x.ndim >= 3 and y.ndim == 2:
         # (..., T, C) @ (C, N): one 2-D product over all rows instead of many small ones
@@ -448,7 +453,11 @@ def matmul(a, b):
         out = _mm(x, y)
     except ValueError:
         raise ShapeError(f"matmul: batch dims of {x.shape} and {y.shape} cannot be broadcast") from None
-    out = _promote(out, x, y)
-    cdef MatmulBackward node = MatmulBackward.__new__(MatmulBackward)
-    node.a, node.b = x, y
-    return _binary_result(out, a, b, node)
+    cdef Tensor res = Tensor._wrap(_promote(out, x, y))
+    cdef tuple inputs = (a if isinstance(a, Tensor) else None, b if isinstance(b, Tensor) else None)
+    cdef MatmulBackward node
+    if _needs_graph(inputs):
+        node = MatmulBackward.__new__(MatmulBackward)
+        node.a, node.b = x, y
+        _attach(res, node, inputs)
+    return res
