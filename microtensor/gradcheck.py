@@ -1,7 +1,7 @@
 """Numerical gradient checking: analytic gradients against central differences."""
 import numpy as np
 
-from microtensor._core import Tensor, run_backward, no_grad, manual_seed, default_generator
+from microtensor._core import Tensor, run_backward, no_grad
 
 
 class GradcheckError(RuntimeError):
@@ -15,18 +15,13 @@ def _outputs_of(fn, inputs):
     return [o for o in out if isinstance(o, Tensor)]
 
 
-def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, raise_exception=True, seed=0,
-              nondet_tol=0.0):
-    """Check the analytic gradient of `fn` at `inputs` against central differences.
-
-    Every input that is a float64 tensor requiring grad is checked. The outputs are
-    reduced with a random upstream gradient (an all-ones one hides bugs such as a
-    missing transpose), so the check compares d<u, fn(x)>/dx both ways:
+def compare_gradients(fn, inputs, eps=1e-6, seed=0):
+    """Analytic and central-difference gradients of <u, fn(inputs)>, u a random upstream
+    gradient (an all-ones one hides bugs such as a missing transpose):
         analytic:  autograd's backward of u
         numerical: (<u, fn(x + eps e_i)> - <u, fn(x - eps e_i)>) / (2 eps)
-    Returns True; on a mismatch raises GradcheckError (or returns False) with a report
-    naming the input, the worst element, both values and the error.
-    """
+    Returns [(input index, analytic, numerical)] for every float64 input requiring grad,
+    as float64 numpy arrays of the input's shape."""
     if isinstance(inputs, Tensor):
         inputs = (inputs,)
     inputs = tuple(inputs)
@@ -58,8 +53,7 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, raise_exception=True, 
         return sum(float(np.sum(v._data.astype(np.float64) * u)) for v, u in zip(vals, upstream)
                    if u is not None)
 
-    ok = True
-    report = []
+    result = []
     for k, i in enumerate(checked):
         x = inputs[i]._data
         a = np.zeros(x.shape) if analytic[k] is None else analytic[k]._data.astype(np.float64)
@@ -75,15 +69,30 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, raise_exception=True, 
             minus = objective()
             flat[j] = orig
             num.reshape(-1)[j] = (plus - minus) / (2 * eps)
+        result.append((i, a, num))
+    return result
+
+
+def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, raise_exception=True, seed=0,
+              nondet_tol=0.0):
+    """Check the analytic gradient of `fn` at `inputs` against central differences
+    (see compare_gradients): every element must satisfy
+    |analytic - numerical| <= atol + rtol * |numerical|.
+    Returns True; on a mismatch raises GradcheckError (or returns False) with a report
+    naming the input, the worst element, both values and the error.
+    """
+    ok = True
+    report = []
+    for i, a, num in compare_gradients(fn, inputs, eps, seed):
         err = np.abs(a - num)
         bad = err > atol + rtol * np.abs(num)
         if bad.any():
             ok = False
-            worst = np.unravel_index(np.argmax(err - (atol + rtol * np.abs(num))), x.shape)
+            worst = np.unravel_index(np.argmax(err - (atol + rtol * np.abs(num))), a.shape)
             report.append(
-                f"Jacobian mismatch for input {i} (shape {x.shape}): worst element {tuple(int(w) for w in worst)}: "
+                f"Jacobian mismatch for input {i} (shape {a.shape}): worst element {tuple(int(w) for w in worst)}: "
                 f"analytic {a[worst]:.10g}, numerical {num[worst]:.10g}, abs error {err[worst]:.3g} "
-                f"(allowed {atol + rtol * abs(num[worst]):.3g}); {int(bad.sum())} of {x.size} elements off")
+                f"(allowed {atol + rtol * abs(num[worst]):.3g}); {int(bad.sum())} of {a.size} elements off")
     if ok:
         return True
     if raise_exception:

@@ -18,6 +18,7 @@ from itertools import islice
 import numpy as np
 
 from microtensor._core import Tensor, Parameter, as_dtype
+from microtensor.nn.utils import zero_grads
 
 
 class StateDictError(ValueError, RuntimeError):
@@ -312,13 +313,7 @@ class Module:
         return self
 
     def zero_grad(self, set_to_none=True):
-        for p in self.parameters():
-            if p._grad is None:
-                continue
-            if set_to_none:
-                p._grad = None
-            else:
-                p._grad._data[...] = 0
+        zero_grads(self.parameters(), set_to_none)
 
     # -- dtype ------------------------------------------------------------------------
     def to(self, *args, **kwargs):

@@ -15,6 +15,18 @@ def _grads(parameters):
     return [p._grad for p in parameters if p._grad is not None]
 
 
+def zero_grads(parameters, set_to_none=True):
+    """Forget the gradients of `parameters`: drop them (default) or fill them with zeros.
+    Module.zero_grad and Optimizer.zero_grad both come here."""
+    for p in parameters:
+        if p._grad is None:
+            continue
+        if set_to_none:
+            p._grad = None
+        else:
+            p._grad._data[...] = 0
+
+
 def _sum_of_squares(a, num_threads):
     if a.dtype in (np.float32, np.float64):
         return _core.sum_of_squares(np.ascontiguousarray(a).reshape(-1), num_threads)

@@ -20,6 +20,7 @@ from numbers import Number
 import numpy as np
 
 from microtensor._core import Tensor, enable_grad, get_num_threads, wrap
+from microtensor.nn.utils import zero_grads
 
 
 class _RequiredParameter:
@@ -107,14 +108,7 @@ class Optimizer:
 
     def zero_grad(self, set_to_none=True):
         """Forget the gradients: drop them (default) or fill them with zeros."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p._grad is None:
-                    continue
-                if set_to_none:
-                    p._grad = None
-                else:
-                    p._grad._data[...] = 0
+        zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     def step(self, closure=None):
         raise NotImplementedError(f"{type(self).__name__} does not implement step()")
