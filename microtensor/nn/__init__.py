@@ -16,6 +16,7 @@ from microtensor._core import Parameter
 from microtensor.nn import functional
 from microtensor.nn import init
 from microtensor.nn import utils
+from microtensor.nn import parallel
 from microtensor.nn.module import Module, Sequential, ModuleList, ModuleDict, StateDictError
 from microtensor.nn.layers import (
     Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU, Tanh, Identity,
@@ -23,4 +24,4 @@ from microtensor.nn.layers import (
 
 __all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU",
-           "Tanh", "Identity", "functional", "init", "utils"]
+           "Tanh", "Identity", "functional", "init", "utils", "parallel"]
