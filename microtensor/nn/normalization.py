@@ -1,0 +1,50 @@
+"""BatchNorm1d: normalise each channel over the batch (makemore's favourite layer)."""
+import numpy as np
+
+from microtensor._core import Parameter, wrap
+from microtensor.nn import functional_extra as FX
+from microtensor.nn.module import Module
+
+__all__ = ["BatchNorm1d"]
+
+
+class BatchNorm1d(Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias per channel of (N, C) or (N, C, L).
+
+    Training uses the batch's statistics and updates running_mean / running_var
+    (momentum 0.1, unbiased variance); eval uses the running ones, as torch does."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, dtype=None):
+        super().__init__()
+        dt = np.dtype(dtype) if dtype is not None else np.dtype(np.float32)
+        self.num_features, self.eps, self.momentum = int(num_features), eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        if affine:
+            self.weight = Parameter(np.ones(self.num_features, dtype=dt))
+            self.bias = Parameter(np.zeros(self.num_features, dtype=dt))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", wrap(np.zeros(self.num_features, dtype=dt)))
+            self.register_buffer("running_var", wrap(np.ones(self.num_features, dtype=dt)))
+            self.register_buffer("num_batches_tracked", wrap(np.zeros((), dtype=np.int64)))
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def forward(self, input):
+        if input.ndim not in (2, 3) or input.shape[1] != self.num_features:
+            raise ValueError(f"BatchNorm1d({self.num_features}): expected (N, "
+                             f"{self.num_features}) or (N, {self.num_features}, L) input, got "
+                             f"{tuple(input.shape)}")
+        training = self.training or not self.track_running_stats
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked._data[...] += 1
+        return FX.batch_norm(input, self.running_mean if self.track_running_stats else None,
+                             self.running_var if self.track_running_stats else None,
+                             self.weight, self.bias, training, self.momentum, self.eps)
+
+    def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, track_running_stats={self.track_running_stats}")

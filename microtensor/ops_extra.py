@@ -1,0 +1,590 @@
+"""More of PyTorch's tensor functions: elementwise math, scans, reductions, comparisons,
+creation helpers.
+
+Each elementwise op is one row of `_UNARY`: its forward and the derivative used by
+backward, side by side, with the math in a comment. Everything else is composed from
+the core's differentiable primitives where that is cheap, or is a small Node with its
+backward under its forward (cumsum, cumprod).
+
+Every name here is an `mt.` function; those that torch also has as Tensor methods are
+registered as methods by `TENSOR_METHODS` at the bottom (see `register_methods`).
+"""
+import builtins
+import math
+
+import numpy as np
+import scipy.special
+
+import microtensor._core as _core
+from microtensor._core import Tensor, Node, wrap, needs_graph, attach
+
+_LN2 = math.log(2.0)
+_LN10 = math.log(10.0)
+_SQRT_PI = math.sqrt(math.pi)
+
+
+# ---- helpers shared by the ops_* modules ---------------------------------------------
+
+def _tensor(x, op, what="input"):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}(): {what} must be a Tensor, got {type(x).__name__}")
+    return x
+
+
+def _dim(dim, ndim, op="dim"):
+    """A dim in [-ndim, ndim) as a non-negative index (0-d tensors take -1 and 0)."""
+    if isinstance(dim, Tensor):
+        dim = dim.item()
+    if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
+        raise TypeError(f"{op}: dim must be an int, got {dim!r}")
+    n = builtins.max(ndim, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], "
+                         f"but got {dim})")
+    return int(dim) % n
+
+
+def _dims(dim, ndim, op="dim"):
+    if dim is None:
+        return tuple(range(ndim))
+    if isinstance(dim, (tuple, list)):
+        out = tuple(_dim(d, ndim, op) for d in dim)
+        if len(set(out)) != len(out):
+            raise ValueError(f"{op}: dim {tuple(dim)} appears more than once")
+        return out
+    return (_dim(dim, ndim, op),)
+
+
+def _float(a):
+    """Float math on an integer or bool array happens in float32 (torch's default)."""
+    return a if a.dtype.kind == "f" else a.astype(np.float32)
+
+
+def _array(x):
+    return x._data if isinstance(x, Tensor) else np.asarray(x)
+
+
+def declare_saved(cls, *inputs, output=False):
+    """Tell the engine which tensors `cls.backward` reads (input positions, the output),
+    so an in-place change to one of them is caught and a change to any other is not."""
+    declare = getattr(_core, "declare_saved", None)
+    if declare is not None:
+        declare(cls, *inputs, output=output)
+    return cls
+
+
+# ---- elementwise math: one row per op --------------------------------------------------
+
+def _zero(x, y, g):
+    return np.zeros_like(x)
+
+
+# name -> (forward(x), dx(x, y, g)); x is the input (float), y the output
+_UNARY = {
+    "sin": (np.sin, lambda x, y, g: g * np.cos(x)),                    # dx = g cos x
+    "cos": (np.cos, lambda x, y, g: -g * np.sin(x)),                   # dx = -g sin x
+    "tan": (np.tan, lambda x, y, g: g * (1 + y * y)),                  # dx = g (1 + y^2)
+    "asin": (np.arcsin, lambda x, y, g: g / np.sqrt(1 - x * x)),       # dx = g / sqrt(1-x^2)
+    "acos": (np.arccos, lambda x, y, g: -g / np.sqrt(1 - x * x)),      # dx = -g / sqrt(1-x^2)
+    "atan": (np.arctan, lambda x, y, g: g / (1 + x * x)),              # dx = g / (1+x^2)
+    "sinh": (np.sinh, lambda x, y, g: g * np.cosh(x)),                 # dx = g cosh x
+    "cosh": (np.cosh, lambda x, y, g: g * np.sinh(x)),                 # dx = g sinh x
+    "asinh": (np.arcsinh, lambda x, y, g: g / np.sqrt(x * x + 1)),     # dx = g / sqrt(x^2+1)
+    "atanh": (np.arctanh, lambda x, y, g: g / (1 - x * x)),            # dx = g / (1-x^2)
+    "log1p": (np.log1p, lambda x, y, g: g / (1 + x)),                  # dx = g / (1+x)
+    "expm1": (np.expm1, lambda x, y, g: g * (y + 1)),                  # dx = g e^x
+    "exp2": (np.exp2, lambda x, y, g: g * y * _LN2),                   # dx = g 2^x ln 2
+    "log2": (np.log2, lambda x, y, g: g / (x * _LN2)),                 # dx = g / (x ln 2)
+    "log10": (np.log10, lambda x, y, g: g / (x * _LN10)),              # dx = g / (x ln 10)
+    "rsqrt": (lambda x: 1 / np.sqrt(x), lambda x, y, g: -0.5 * g * y * y * y),  # dx = -g y^3/2
+    "reciprocal": (np.reciprocal, lambda x, y, g: -g * y * y),         # dx = -g y^2
+    "square": (np.square, lambda x, y, g: 2 * g * x),                  # dx = 2 g x
+    "erf": (scipy.special.erf,                                         # dx = g 2/sqrt(pi) e^-x^2
+            lambda x, y, g: g * (2 / _SQRT_PI) * np.exp(-x * x)),
+    "erfc": (scipy.special.erfc,                                       # dx = -g 2/sqrt(pi) e^-x^2
+             lambda x, y, g: -g * (2 / _SQRT_PI) * np.exp(-x * x)),
+    "erfinv": (scipy.special.erfinv,                                   # dx = g sqrt(pi)/2 e^y^2
+               lambda x, y, g: g * (_SQRT_PI / 2) * np.exp(y * y)),
+    "logit": (scipy.special.logit, lambda x, y, g: g / (x * (1 - x))),  # dx = g / (x (1-x))
+    "frac": (lambda x: x - np.trunc(x), lambda x, y, g: g),            # dx = g
+    # piecewise constant: the gradient is zero (as torch's)
+    "sign": (np.sign, _zero), "floor": (np.floor, _zero), "ceil": (np.ceil, _zero),
+    "trunc": (np.trunc, _zero), "round": (np.round, _zero),
+}
+# these keep an integer dtype, as torch's do (the others compute in float)
+_KEEP_INT = {"sign", "floor", "ceil", "trunc", "round", "square"}
+
+
+class PointwiseBackward(Node):
+    """y = f(x);  dx = g * f'(x)   (f and f' from the op's row of _UNARY)"""
+
+    def backward(self, g):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            dx = self.rule(self.x, self.y, g)
+        return (np.asarray(dx, dtype=self.x.dtype),)
+
+    def name(self):
+        return self.op.capitalize() + "Backward"
+
+
+declare_saved(PointwiseBackward, 0, output=True)
+
+
+def _pointwise(op, x, forward=None, rule=None):
+    t = _tensor(x, op)
+    fwd, dx = _UNARY[op] if forward is None else (forward, rule)
+    a = t._data
+    if not (op in _KEEP_INT and a.dtype.kind in "iu"):
+        a = _float(a)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        y = np.asarray(fwd(a), dtype=a.dtype if a.dtype.kind == "f" else None)
+    out = wrap(y)
+    if needs_graph((t,)) and a.dtype.kind == "f":
+        node = PointwiseBackward()
+        node.op, node.rule, node.x, node.y = op, dx, a, y
+        attach(out, node, (t,))
+    return out
+
+
+def _make_unary(op):
+    def fn(input):
+        return _pointwise(op, input)
+    fn.__name__ = fn.__qualname__ = op
+    fn.__doc__ = f"torch.{op}: elementwise, differentiable (see _UNARY['{op}'])."
+    return fn
+
+
+sin, cos, tan, asin, acos, atan, sinh, cosh, asinh, atanh = (
+    _make_unary(n) for n in ("sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
+                             "asinh", "atanh"))
+log1p, expm1, exp2, log2, log10, rsqrt, reciprocal, square = (
+    _make_unary(n) for n in ("log1p", "expm1", "exp2", "log2", "log10", "rsqrt", "reciprocal",
+                             "square"))
+erf, erfc, erfinv, logit, frac, sign, floor, ceil, trunc = (
+    _make_unary(n) for n in ("erf", "erfc", "erfinv", "logit", "frac", "sign", "floor", "ceil",
+                             "trunc"))
+arcsin, arccos, arctan, sgn, fix = asin, acos, atan, sign, trunc
+
+
+def round(input, decimals=0):
+    """torch.round: half to even (as torch); `decimals` rounds to a power of ten."""
+    if decimals == 0:
+        return _pointwise("round", input)
+    scale = 10.0 ** decimals
+    return _pointwise("round", input, lambda a: np.round(a * scale) / scale, _zero)
+
+
+def softplus(input, beta=1.0, threshold=20.0):
+    """y = log(1 + e^(beta x)) / beta, and x where beta x > threshold;
+    dx = g sigmoid(beta x) (g above the threshold)"""
+    if beta == 0:
+        raise ValueError("softplus: beta must be nonzero")
+
+    def forward(a):
+        z = a * beta
+        return np.where(z > threshold, a, np.logaddexp(0, z) / beta).astype(a.dtype)
+
+    def rule(x, y, g):
+        z = x * beta
+        return np.where(z > threshold, g, g * scipy.special.expit(z))
+
+    return _pointwise("softplus", input, forward, rule)
+
+
+def clamp_min(input, min):
+    return _core.clamp(input, min=min)
+
+
+def clamp_max(input, max):
+    return _core.clamp(input, max=max)
+
+
+def float_power(input, exponent):
+    """input ** exponent computed in float64 (as torch's)."""
+    a = input.double() if isinstance(input, Tensor) else input
+    b = exponent.double() if isinstance(exponent, Tensor) else exponent
+    return _core.pow(a, b)
+
+
+def xlogy(input, other):
+    """y = x log(o), 0 where x == 0 (as torch's)."""
+    x, o = input, other
+    return _core.where(_core.eq(x, 0), 0.0, _core.mul(x, _core.log(o)))
+
+
+def lerp(input, end, weight):
+    """input + weight * (end - input)"""
+    return _core.add(input, _core.mul(weight, _core.sub(end, input)))
+
+
+def addmm(input, mat1, mat2, beta=1, alpha=1):
+    """beta input + alpha (mat1 @ mat2)"""
+    prod = _core.matmul(mat1, mat2)
+    if alpha != 1:
+        prod = _core.mul(prod, alpha)
+    return _core.add(_core.mul(input, beta) if beta != 1 else input, prod)
+
+
+# ---- scans ---------------------------------------------------------------------------
+
+class CumsumBackward(Node):
+    """y = cumsum(x, d);  dx = reverse-cumsum(g, d)"""
+
+    def backward(self, g):
+        g = np.asarray(g).reshape(self.shape1)
+        dx = np.flip(np.cumsum(np.flip(g, self.dim), self.dim), self.dim)
+        return (dx.reshape(self.shape).astype(self.dtype, copy=False),)
+
+
+declare_saved(CumsumBackward)
+
+
+def _scan_input(t, dim, dtype, op):
+    """The array to scan (0-d as 1-d), its dim, and the dtype rule torch uses."""
+    d = _dim(dim, t._data.ndim, op)
+    a = t._data if t._data.ndim else t._data.reshape(1)
+    if dtype is not None:
+        a = a.astype(_core.as_dtype(dtype))
+    elif a.dtype.kind in "biu":
+        a = a.astype(np.int64)
+    return a, d
+
+
+def cumsum(input, dim, dtype=None):
+    t = _tensor(input, "cumsum")
+    a, d = _scan_input(t, dim, dtype, "cumsum")
+    y = np.cumsum(a, axis=d)
+    out = wrap(y.reshape(t._data.shape))
+    if needs_graph((t,)) and y.dtype.kind == "f":
+        node = CumsumBackward()
+        node.dim, node.dtype, node.shape, node.shape1 = d, t._data.dtype, t._data.shape, a.shape
+        attach(out, node, (t,))
+    return out
+
+
+class CumprodBackward(Node):
+    """y_i = prod_{k<=i} x_k;  dx_i = (prod_{k<i} x_k) * S_i with S_i = g_i + x_{i+1} S_{i+1}
+
+    Exact with zeros in x (no division by x): S is the reverse scan of
+    sum_{j>=i} g_j prod_{i<k<=j} x_k."""
+
+    def backward(self, g):
+        x = np.moveaxis(self.x, self.dim, 0)
+        g = np.moveaxis(np.asarray(g, dtype=x.dtype).reshape(self.x.shape), self.dim, 0)
+        n = x.shape[0]
+        before = np.ones_like(x)                       # prod_{k<i} x_k
+        if n > 1:
+            before[1:] = np.cumprod(x[:-1], axis=0)
+        s = np.empty_like(x)
+        s[n - 1] = g[n - 1]
+        for i in range(n - 2, -1, -1):
+            s[i] = g[i] + x[i + 1] * s[i + 1]
+        dx = np.moveaxis(before * s, 0, self.dim)
+        return (dx.reshape(self.shape).astype(self.x.dtype, copy=False),)
+
+
+declare_saved(CumprodBackward)             # it keeps its own copy of x
+
+
+def cumprod(input, dim, dtype=None):
+    t = _tensor(input, "cumprod")
+    a, d = _scan_input(t, dim, dtype, "cumprod")
+    y = np.cumprod(a, axis=d)
+    out = wrap(y.reshape(t._data.shape))
+    if needs_graph((t,)) and y.dtype.kind == "f":
+        node = CumprodBackward()
+        node.x, node.dim, node.shape = np.array(a, dtype=y.dtype), d, t._data.shape
+        attach(out, node, (t,))
+    return out
+
+
+def prod(input, dim=None, keepdim=False, dtype=None):
+    """The last element of cumprod along `dim` (so it has cumprod's exact gradient)."""
+    t = _tensor(input, "prod")
+    if dim is None:
+        out = cumprod(t.reshape(-1), 0, dtype)[-1]
+        return out.reshape(*([1] * t.ndim)) if keepdim else out
+    d = _dim(dim, t._data.ndim, "prod")
+    if t._data.ndim == 0:
+        return cumprod(t, 0, dtype)
+    out = _core.getitem(cumprod(t, d, dtype), (slice(None),) * d + (slice(-1, None),))
+    if t._data.shape[d] == 0:
+        shape = list(t._data.shape)
+        shape[d] = 1
+        out = _core.ones(*shape, dtype=out._data.dtype)
+    return out if keepdim else _core.squeeze(out, d)
+
+
+def logcumsumexp(input, dim):
+    """log(cumsum(exp(x))) with the running max subtracted (differentiable by parts)."""
+    t = _tensor(input, "logcumsumexp")
+    m = _core.amax(t.detach(), dim=dim, keepdim=True) if t.numel() else 0.0
+    if isinstance(m, Tensor):
+        m = _core.where(_core.isfinite(m), m, 0.0)
+    return _core.add(_core.log(cumsum(_core.exp(_core.sub(t, m)), dim)), m)
+
+
+# ---- reductions and comparisons without gradients --------------------------------------
+
+def _reduce_bool(fn, op, input, dim, keepdim):
+    t = _tensor(input, op)
+    dims = _dims(dim, t._data.ndim, op) if dim is not None else None
+    return wrap(np.asarray(fn(t._data, axis=dims, keepdims=keepdim), dtype=np.bool_))
+
+
+def any(input, dim=None, keepdim=False):
+    return _reduce_bool(np.any, "any", input, dim, keepdim)
+
+
+def all(input, dim=None, keepdim=False):
+    return _reduce_bool(np.all, "all", input, dim, keepdim)
+
+
+def count_nonzero(input, dim=None):
+    t = _tensor(input, "count_nonzero")
+    dims = _dims(dim, t._data.ndim, "count_nonzero") if dim is not None else None
+    return wrap(np.asarray(np.count_nonzero(t._data, axis=dims), dtype=np.int64))
+
+
+def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return wrap(np.asarray(np.isclose(_array(input), _array(other), rtol=rtol, atol=atol,
+                                      equal_nan=equal_nan)))
+
+
+def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """True when |input - other| <= atol + rtol |other| everywhere (a Python bool)."""
+    a, b = _array(_tensor(input, "allclose")), _array(_tensor(other, "allclose", "other"))
+    try:
+        np.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise _core.ShapeError(f"allclose: shapes {a.shape} and {b.shape} cannot be "
+                               "broadcast together") from None
+    return builtins.bool(np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=equal_nan))
+
+
+def equal(input, other):
+    """True when both have the same shape and the same values (a Python bool)."""
+    a, b = _array(_tensor(input, "equal")), _array(_tensor(other, "equal", "other"))
+    return a.shape == b.shape and builtins.bool(np.array_equal(a, b))
+
+
+def isinf(input):
+    return wrap(np.isinf(_array(input)))
+
+
+def isposinf(input):
+    return wrap(np.isposinf(_array(input)))
+
+
+def isneginf(input):
+    return wrap(np.isneginf(_array(input)))
+
+
+def logical_xor(input, other):
+    return wrap(np.logical_xor(_array(input), _array(other)))
+
+
+def is_floating_point(input):
+    return _tensor(input, "is_floating_point")._data.dtype.kind == "f"
+
+
+def is_nonzero(input):
+    t = _tensor(input, "is_nonzero")
+    if t._data.size != 1:
+        raise RuntimeError(f"Boolean value of Tensor with {t._data.size} values is ambiguous")
+    return builtins.bool(t._data.reshape(()) != 0)
+
+
+def nonzero(input, as_tuple=False):
+    """Indices of the nonzero elements: (n, ndim) int64, or one index tensor per dim."""
+    t = _tensor(input, "nonzero")
+    a = t._data if t._data.ndim else t._data.reshape(1)
+    idx = np.nonzero(a)
+    if as_tuple:
+        return tuple(wrap(i.astype(np.int64)) for i in idx)
+    out = np.stack(idx, axis=1).astype(np.int64) if idx else np.zeros((0, 0), np.int64)
+    if t._data.ndim == 0:
+        out = out[:, :0]
+    return wrap(out)
+
+
+def argwhere(input):
+    return nonzero(input)
+
+
+def unique(input, sorted=True, return_inverse=False, return_counts=False, dim=None):
+    """The distinct values (sorted), with optional inverse indices and counts."""
+    t = _tensor(input, "unique")
+    axis = None if dim is None else _dim(dim, t._data.ndim, "unique")
+    values, inverse, counts = np.unique(t._data, return_inverse=True, return_counts=True,
+                                        axis=axis)
+    out = [wrap(values)]
+    if return_inverse:
+        shape = t._data.shape if axis is None else (t._data.shape[axis],)
+        out.append(wrap(inverse.reshape(shape).astype(np.int64)))
+    if return_counts:
+        out.append(wrap(counts.astype(np.int64)))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def bincount(input, weights=None, minlength=0):
+    t = _tensor(input, "bincount")
+    a = t._data
+    if a.ndim != 1 or a.dtype.kind not in "iub":
+        raise RuntimeError(f"bincount only supports 1-d non-negative integral inputs, got "
+                           f"shape {a.shape} and dtype {a.dtype}")
+    if a.size and a.min() < 0:
+        raise ValueError("bincount: input must be non-negative")
+    w = None if weights is None else _array(weights)
+    out = np.bincount(a, weights=w, minlength=minlength)
+    if w is None:
+        out = out.astype(np.int64)
+    elif w.dtype == np.float32:
+        out = out.astype(np.float32)
+    return wrap(out)
+
+
+def histc(input, bins=100, min=0, max=0):
+    """Counts in `bins` equal bins over [min, max] (the data's range when both are 0)."""
+    t = _tensor(input, "histc")
+    a = _float(t._data).reshape(-1)
+    lo, hi = float(min), float(max)
+    if lo == hi and a.size:
+        lo, hi = float(a.min()), float(a.max())
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    if lo > hi:
+        raise RuntimeError(f"histc: max ({hi}) must be larger than min ({lo})")
+    counts, _ = np.histogram(a[(a >= lo) & (a <= hi)], bins=bins, range=(lo, hi))
+    return wrap(counts.astype(a.dtype))
+
+
+def std_mean(input, dim=None, keepdim=False, correction=1):
+    return _core.std(input, dim, keepdim, correction), _core.mean(input, dim, keepdim)
+
+
+def var_mean(input, dim=None, keepdim=False, correction=1):
+    return _core.var(input, dim, keepdim, correction), _core.mean(input, dim, keepdim)
+
+
+# ---- creation --------------------------------------------------------------------------
+
+def _dtype_or(dtype, default):
+    return default if dtype is None else _core.as_dtype(dtype)
+
+
+def eye(n, m=None, dtype=None, requires_grad=False, device=None):
+    _check_device(device)
+    if m is None:
+        m = n
+    if n < 0 or m < 0:
+        raise ValueError(f"eye: n and m must be non-negative, got {n}, {m}")
+    out = wrap(np.eye(n, m, dtype=_dtype_or(dtype, _default_float())))
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def _default_float():
+    get = getattr(_core, "get_default_dtype", None)
+    return _core.as_dtype(get()) if get is not None else np.dtype(np.float32)
+
+
+def _check_device(device):
+    if device is None:
+        return
+    name = device if isinstance(device, str) else getattr(device, "type", None)
+    if not isinstance(name, str) or name.split(":")[0] != "cpu":
+        raise RuntimeError(f"device {str(device)!r} is not available: microtensor runs on the "
+                           "CPU only")
+
+
+def _like(name, fill):
+    def like(input, dtype=None, requires_grad=False, device=None, memory_format=None):
+        t = _tensor(input, name)
+        _check_device(device)
+        dt = _dtype_or(dtype, t._data.dtype)
+        out = wrap(np.asarray(fill(t._data.shape, dt), dtype=dt))
+        return out.requires_grad_(True) if requires_grad else out
+    like.__name__ = like.__qualname__ = name
+    return like
+
+
+def _random(fn):
+    """randn/rand draw floats; an integer dtype gets them cast (as asked)."""
+    return lambda shape, dt: fn(*shape, dtype=dt if dt.kind == "f" else np.float32)._data
+
+
+randn_like = _like("randn_like", _random(_core.randn))
+rand_like = _like("rand_like", _random(_core.rand))
+empty_like = _like("empty_like", lambda shape, dt: np.zeros(shape, dt))
+
+
+def randint_like(input, low=0, high=None, dtype=None):
+    if high is None:
+        low, high = 0, low
+    t = _tensor(input, "randint_like")
+    return _core.randint(low, high, t._data.shape, dtype=_dtype_or(dtype, t._data.dtype))
+
+
+def _new(fill):
+    def new(self, *size, dtype=None, device=None, requires_grad=False):
+        _check_device(device)
+        if len(size) == 1 and isinstance(size[0], (tuple, list)):
+            size = tuple(size[0])
+        dt = _dtype_or(dtype, self._data.dtype)
+        out = wrap(fill(tuple(int(s) for s in size), dt))
+        return out.requires_grad_(True) if requires_grad else out
+    return new
+
+
+new_zeros = _new(lambda shape, dt: np.zeros(shape, dt))
+new_ones = _new(lambda shape, dt: np.ones(shape, dt))
+new_empty = _new(lambda shape, dt: np.zeros(shape, dt))
+
+
+def new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False):
+    _check_device(device)
+    if isinstance(size, (int, np.integer)):
+        size = (size,)
+    dt = _dtype_or(dtype, self._data.dtype)
+    out = wrap(np.full(tuple(size), fill_value, dtype=dt))
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def new_tensor(self, data, dtype=None, device=None, requires_grad=False):
+    """A copy of `data` with this tensor's dtype unless one is given (as torch's)."""
+    _check_device(device)
+    dt = _dtype_or(dtype, self._data.dtype)
+    out = wrap(np.array(_array(data), dtype=dt))
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def type_as(self, other):
+    return self.to(_tensor(other, "type_as", "other")._data.dtype)
+
+
+def tril_indices(row, col, offset=0, dtype=None):
+    r, c = np.tril_indices(row, offset, col)
+    return wrap(np.stack([r, c]).astype(_dtype_or(dtype, np.dtype(np.int64))))
+
+
+def triu_indices(row, col, offset=0, dtype=None):
+    r, c = np.triu_indices(row, offset, col)
+    return wrap(np.stack([r, c]).astype(_dtype_or(dtype, np.dtype(np.int64))))
+
+
+# ---- registered as Tensor methods (t.name(...) calls fn(t, ...)) -----------------------
+
+TENSOR_METHODS = [
+    (name, globals()[name]) for name in (
+        "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "atanh",
+        "arcsin", "arccos", "arctan", "log1p", "expm1", "exp2", "log2", "log10", "reciprocal",
+        "erf", "erfc", "erfinv", "logit", "frac", "sign", "sgn", "floor", "ceil", "trunc",
+        "fix", "round", "clamp_min", "clamp_max", "float_power", "xlogy", "lerp", "addmm",
+        "cumsum", "cumprod", "prod", "logcumsumexp", "all", "count_nonzero", "isclose",
+        "allclose", "equal", "isinf", "isposinf", "isneginf", "logical_xor",
+        "is_floating_point", "is_nonzero", "nonzero", "argwhere", "unique", "bincount",
+        "histc", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "type_as",
+    )
+]
+# rsqrt and square are core methods already; softplus is F.softplus (no Tensor method in
+# torch); `any` is a core method (without dim, until the core takes one)
