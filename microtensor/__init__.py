@@ -47,3 +47,34 @@ def is_tensor(obj):
 
 def numel(t):
     return t.numel()
+
+
+# -- PyTorch's wider surface: functions written in Python (also Tensor methods) ---------
+from microtensor.ops_extra import (
+    sin, cos, tan, asin, acos, atan, sinh, cosh, asinh, atanh, arcsin, arccos, arctan,
+    log1p, expm1, exp2, log2, log10, rsqrt, reciprocal, square, erf, erfc, erfinv, logit,
+    frac, sign, sgn, floor, ceil, trunc, fix, round, clamp_min, clamp_max, float_power,
+    xlogy, lerp, addmm, cumsum, cumprod, prod, logcumsumexp, any, all, count_nonzero,
+    isclose, allclose, equal, isinf, isposinf, isneginf, logical_xor, is_floating_point,
+    is_nonzero, nonzero, argwhere, unique, bincount, histc, std_mean, var_mean, eye,
+    randn_like, rand_like, randint_like, empty_like, tril_indices, triu_indices,
+)
+from microtensor.ops_index import (
+    gather, take_along_dim, take, scatter, scatter_add, masked_select, sort, argsort, msort,
+    topk, kthvalue, flip, fliplr, flipud, roll, repeat_interleave, tile, narrow, select,
+    unbind, movedim, moveaxis, swapaxes, swapdims, t, diagonal, diag, trace,
+    broadcast_shapes, broadcast_to, broadcast_tensors, atleast_1d, atleast_2d, hstack,
+    vstack, column_stack, meshgrid,
+)
+from microtensor.ops_linalg import (
+    einsum, mm, bmm, mv, dot, vdot, inner, outer, ger, baddbmm, tensordot, norm, dist, cdist,
+)
+from microtensor import linalg, backends, amp
+from microtensor.dialect import (
+    set_default_dtype, get_default_dtype, set_printoptions, inference_mode,
+    is_inference_mode_enabled, set_float32_matmul_precision, get_float32_matmul_precision,
+    use_deterministic_algorithms, are_deterministic_algorithms_enabled,
+)
+from microtensor import dialect as _dialect
+_dialect.register_tensor_methods()
+del _dialect

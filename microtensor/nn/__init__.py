@@ -21,7 +21,22 @@ from microtensor.nn.module import Module, Sequential, ModuleList, ModuleDict, St
 from microtensor.nn.layers import (
     Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU, Tanh, Identity,
 )
+from microtensor.nn.activations import (
+    Sigmoid, Softmax, LogSoftmax, Softmin, LeakyReLU, ELU, SELU, CELU, Softplus, Mish,
+    Hardtanh, ReLU6, Hardsigmoid, Hardswish, LogSigmoid, Softsign, Tanhshrink, GLU, Flatten,
+    Unflatten,
+)
+from microtensor.nn.losses import (
+    CrossEntropyLoss, NLLLoss, MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss,
+    BCEWithLogitsLoss, KLDivLoss,
+)
+from microtensor.nn.normalization import BatchNorm1d
 
 __all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU",
-           "Tanh", "Identity", "functional", "init", "utils", "parallel"]
+           "Tanh", "Identity", "functional", "init", "utils", "parallel", "BatchNorm1d",
+           "Sigmoid", "Softmax", "LogSoftmax", "Softmin", "LeakyReLU", "ELU", "SELU", "CELU",
+           "Softplus", "Mish", "Hardtanh", "ReLU6", "Hardsigmoid", "Hardswish", "LogSigmoid",
+           "Softsign", "Tanhshrink", "GLU", "Flatten", "Unflatten", "CrossEntropyLoss",
+           "NLLLoss", "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "BCELoss",
+           "BCEWithLogitsLoss", "KLDivLoss"]

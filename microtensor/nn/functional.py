@@ -789,3 +789,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 # t.softmax(dim) and mt.softmax run these same rules
 _core.register_softmax(softmax, log_softmax)
+
+# pad, one_hot, the other losses and activations, normalize, batch_norm
+from microtensor.nn.functional_extra import *  # noqa: E402,F401,F403
