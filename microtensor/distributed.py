@@ -23,6 +23,7 @@ waiting forever. The process then ends the whole job (MPI_Abort) when it exits, 
 an MPI program cannot shut down cleanly while a peer is missing.
 """
 import atexit
+import contextlib
 import os
 import pickle
 import sys
@@ -31,7 +32,8 @@ import time
 import numpy as np
 
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "all_reduce", "broadcast",
-           "barrier", "all_gather_object", "DistributedError", "get_timeout", "set_timeout"]
+           "barrier", "all_gather_object", "abort_on_error", "DistributedError", "get_timeout",
+           "set_timeout"]
 
 DEFAULT_TIMEOUT = 300.0   # seconds a collective may wait for the other ranks
 TIMEOUT_ENV = "MICROTENSOR_DIST_TIMEOUT"
@@ -60,6 +62,7 @@ class _State:
     timeout = None        # seconds; None = read the environment at init
     failed = False        # a collective failed: abort the job at exit
     uncaught = False      # an exception escaped to the top level of a multi-rank job
+    exit_status = 1       # the status MPI_Abort ends the job with
 
 
 _state = _State()
@@ -161,6 +164,25 @@ def set_timeout(seconds):
     _state.timeout = seconds
 
 
+@contextlib.contextmanager
+def abort_on_error():
+    """Leaving this block by an exception (SystemExit with a non-zero status included)
+    ends every rank of the job when this process exits (MPI_Abort with that status),
+    instead of leaving the other ranks to wait for the timeout. For a script whose
+    ranks may stop on their own, e.g. after an error only rank 0 can see."""
+    try:
+        yield
+    except SystemExit as e:
+        if e.code not in (None, 0) and _state.world_size > 1:
+            _state.failed = True
+            _state.exit_status = e.code if isinstance(e.code, int) else 1
+        raise
+    except BaseException:
+        if _state.world_size > 1:
+            _state.failed = True
+        raise
+
+
 def _install_exit_guard():
     """A multi-rank job must not reach MPI_Finalize after a failure: Finalize waits for
     the missing rank forever. So after a failed collective, or an exception that ends
@@ -180,7 +202,7 @@ def _install_exit_guard():
         if _state.failed or _state.uncaught:
             sys.stdout.flush()
             sys.stderr.flush()
-            _state.MPI.COMM_WORLD.Abort(1)
+            _state.MPI.COMM_WORLD.Abort(_state.exit_status)
 
     atexit.register(abort_if_broken)
 
@@ -196,15 +218,18 @@ def wait(requests, what):
     """Wait for non-blocking MPI requests, polling with Test so a missing rank becomes
     a DistributedError after the timeout instead of a hang. Returns seconds waited.
 
-    NOTE: the first millisecond spins (a small all-reduce answers in tens of
-    microseconds); after that the poll sleeps a little between tests, so a rank that
-    waits for a slow peer leaves the CPU to others."""
+    NOTE: polling is what moves the message along: without a progress thread, MPI
+    copies the next piece of a large message only inside an MPI call, on both sides.
+    So the first 2 s poll without pause (a rank that naps between tests throttles its
+    peer too: 1 ms naps made a 0.4 MB all-reduce 50x slower), as MPI's own blocking
+    calls do; after that a rank that waits for a slow peer (rank 0 writing a
+    checkpoint) naps up to 1 ms per test and leaves the CPU to others."""
     MPI = _state.MPI
     timeout = get_timeout()
     start = time.perf_counter()
     deadline = start + timeout
-    spin_until = start + 1e-3
-    nap = 2e-5
+    busy_until = start + 2.0
+    nap = 1e-5
     while True:
         try:
             if MPI.Request.Testall(requests):
@@ -217,7 +242,9 @@ def wait(requests, what):
                   f"answer from the other ranks after {timeout:g} s. A rank has probably "
                   f"died, hangs, or is running a different collective. (The limit is "
                   f"{TIMEOUT_ENV}, in seconds.)")
-        if now > spin_until:
+        if now < busy_until:
+            os.sched_yield()
+        else:
             time.sleep(nap)
             nap = min(nap * 2, 1e-3)
 

@@ -40,6 +40,8 @@ from microtensor.nn.module import Module
 
 __all__ = ["DistributedDataParallel"]
 
+FIRST_BUCKET_BYTES = 1024 * 1024
+
 
 def _has_post_accumulate_hooks():
     return hasattr(mt.Tensor, "register_post_accumulate_grad_hook")
@@ -100,12 +102,15 @@ class DistributedDataParallel(Module):
                 dist.broadcast(b, src=0)
 
         # buckets: reverse registration order, at most bucket_cap_mb each (a larger
-        # parameter gets a bucket of its own), one dtype per bucket
+        # parameter gets a bucket of its own), one dtype per bucket. The first bucket
+        # holds at most 1 MiB (torch's choice too): it is complete early in backward,
+        # so some communication starts even when the whole model fits one bucket.
         cap = bucket_cap_mb * 1024 * 1024
         current, size = [], 0
         for name, p in reversed(named):
             nbytes = p.numel() * p.numpy().itemsize
-            if current and (size + nbytes > cap or p.dtype != current[0][1].dtype):
+            limit = min(cap, FIRST_BUCKET_BYTES) if not self._buckets else cap
+            if current and (size + nbytes > limit or p.dtype != current[0][1].dtype):
                 self._buckets.append(_Bucket(len(self._buckets), current, current[0][1].dtype))
                 current, size = [], 0
             current.append((name, p))
