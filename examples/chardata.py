@@ -202,16 +202,14 @@ def _unflatten(obj, tensors):
 
 
 def save_checkpoint(path, model, optimizer, info):
-    """Write model + optimizer + `info` (a dict of JSON-able values) atomically: a crash
-    mid-write leaves the previous file intact."""
+    """Write model + optimizer + `info` (a dict of JSON-able values) atomically: mt.save
+    writes a temporary file of its own (a name no other process uses) and renames it, so
+    a crash mid-write leaves the previous file intact."""
     tensors = dict(model.state_dict())
     optimizer_skeleton = _flatten(optimizer.state_dict(), "optimizer", tensors)
     metadata = {"format": CHECKPOINT_FORMAT, "optimizer": json.dumps(optimizer_skeleton)}
     metadata.update({k: json.dumps(v) for k, v in info.items()})
-    directory, name = os.path.split(path)
-    tmp_path = os.path.join(directory, f".{name}.tmp")
-    mt.save(tensors, tmp_path, metadata=metadata)
-    os.replace(tmp_path, path)
+    mt.save(tensors, path, metadata=metadata)
 
 
 def load_checkpoint(path):

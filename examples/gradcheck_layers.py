@@ -11,12 +11,14 @@ place, and a parameter perturbed in place is seen by the model's next forward.
 
 tests/test_models.py runs the same CASES table through mt.gradcheck.
 """
-import argparse
-import os
-import sys
 import time
 
-import numpy as np
+if __name__ == "__main__":
+    # (tests load this file by path, without examples/ on sys.path: they need no _cli)
+    import _cli
+    _cli.script(__name__)   # from here on, Ctrl-C exits quietly
+
+import numpy as np  # noqa: E402
 
 import microtensor as mt  # noqa: E402
 from microtensor.gradcheck import compare_gradients  # noqa: E402
@@ -241,15 +243,22 @@ def run_case(name, build):
     return names, n_elements, abs_err, rel_err, passed
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", default="", help="only cases whose name contains this")
+def main(argv=None):
+    import _cli
+    parser = _cli.ArgumentParser(
+        prog="gradcheck_layers.py",
+        description=__doc__.split("\n\n")[0] + " The whole table takes about "
+                    "half a minute on one CPU core; it exits with status 1 if a case fails.")
+    parser.add_argument("-k", default="", help="only cases whose name contains this "
+                                               "(default: every case)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="list the checked tensors of each case")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="microtensor kernel threads (tiny tensors: one is fastest)")
-    args = parser.parse_args()
-    mt.set_num_threads(args.threads)
+    parser.add_argument("--threads", type=_cli.nonnegative_int, default=1,
+                        help="microtensor kernel threads, 0 = the library's default (tiny "
+                             "tensors: one is fastest; default: 1)")
+    args = parser.parse_args(argv)
+    if args.threads > 0:
+        mt.set_num_threads(args.threads)
     cases = [(n, b) for n, b in CASES if args.k in n]
     if not cases:
         parser.error(f"no case name contains {args.k!r}")
@@ -272,4 +281,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _cli.run(main)

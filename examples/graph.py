@@ -1,26 +1,26 @@
 """Draw the computation graph behind a tensor: a tiny expression and one Transformer block.
 
-    python examples/graph.py                  # DOT files and PNGs in docs/img/
+    python examples/graph.py                  # DOT files and PNGs in out-graph/
     python examples/graph.py --out /tmp/g     # elsewhere
-    dot -Tsvg docs/img/graph_block.dot > b.svg   # with Graphviz, for the clusters
+    dot -Tsvg out-graph/graph_block.dot > b.svg   # with Graphviz, for the clusters
 
 Every box is one backward node (`t.grad_fn.name()`) with the shape of the tensor its
 op produced; blue boxes are parameters (named as in `model.named_parameters()`), yellow
 ones other leaves. Arrows follow the forward pass (an input points at the op that reads
 it); backward walks them the other way. When Graphviz's `dot` is installed the PNGs come
 from it, otherwise microtensor draws the layered graph itself with matplotlib.
+docs/regenerate.py runs it with --out docs/img for the pictures of docs/RESIDUAL_FLOW.md.
 """
-import argparse
 import os
-import sys
+import subprocess
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _cli
+_cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
 import microtensor as mt  # noqa: E402
 from microtensor import inspect as mti  # noqa: E402
 
-DEFAULTS = dict(out=os.path.join(REPO, "docs", "img"), n_embd=16, n_head=2, seq_len=4,
-                seed=0)
+DEFAULTS = dict(out="out-graph", n_embd=16, n_head=2, seq_len=4, seed=0)
 
 
 def expression_graph():
@@ -45,28 +45,44 @@ def block_graph(args, prenorm=True):
 
 
 def write(graph, out, name, engine):
+    """name.dot and name.png in `out`, each written under a temporary name of this
+    process and then renamed."""
     dot_path = os.path.join(out, name + ".dot")
-    with open(dot_path, "w") as f:
-        f.write(graph.to_dot())
+
+    def write_dot(tmp):
+        with open(tmp, "w") as f:
+            f.write(graph.to_dot())
+    _cli.replace_with(dot_path, write_dot)
     png_path = os.path.join(out, name + ".png")
-    graph.save_png(png_path, dpi=72, engine=engine)
+    try:
+        _cli.replace_with(png_path, lambda tmp: graph.save_png(tmp, dpi=72, engine=engine))
+    except (OSError, subprocess.CalledProcessError) as e:
+        _cli.fail("graph.py", f"drawing {png_path} failed: {e}", _cli.EXIT_ERROR)
     print(f"  {dot_path}\n  {png_path}  ({graph.num_ops} ops, {len(graph.nodes)} boxes, "
           f"{os.path.getsize(png_path) // 1024} KB)")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Draw the computation graph of a tiny "
-                                     "expression and of one Transformer block (DOT + PNG).")
-    parser.add_argument("--out", default=DEFAULTS["out"], help="output directory "
-                        "(default: docs/img in the repository)")
+    parser = _cli.ArgumentParser(
+        prog="graph.py",
+        description="Draw the computation graph of a tiny expression and of one "
+                    "Transformer block (DOT + PNG). Takes a few seconds.")
+    parser.add_argument("--out", default=DEFAULTS["out"], help="output directory, created "
+                        f"if needed (default: {DEFAULTS['out']}/ in the working directory)")
     parser.add_argument("--engine", choices=["auto", "dot", "matplotlib"], default="auto",
-                        help="who draws the PNGs: Graphviz if installed (auto), or matplotlib")
+                        help="who draws the PNGs: auto = Graphviz's dot if it is installed, "
+                             "else matplotlib; dot = Graphviz only (an error without it); "
+                             "matplotlib = microtensor's own layout (default: auto)")
     parser.add_argument("--post_norm", action="store_true",
-                        help="draw a post-norm block instead of GPT-2's pre-norm one")
+                        help="draw a post-norm block instead of GPT-2's pre-norm one "
+                             "(default: pre-norm)")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS.items():
         setattr(args, key, getattr(args, key, value))
-    os.makedirs(args.out, exist_ok=True)
+    if args.engine == "dot" and not mti.dot_available():
+        _cli.fail(parser.prog, "--engine dot needs Graphviz's `dot` program, which is not on "
+                               "PATH; install Graphviz or use --engine matplotlib")
+    _cli.writable_dir(parser.prog, args.out)
     use_dot = args.engine != "matplotlib" and mti.dot_available()
     print(f"PNG engine: {'Graphviz dot' if use_dot else 'matplotlib'}")
 
@@ -89,7 +105,8 @@ def main(argv=None):
     write(mti.build_graph(y, module=block, calls=calls, names=names, collapse=True,
                           title=f"one {kind} TransformerBlock, by module"),
           args.out, "graph_block_collapsed", args.engine)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

@@ -1,8 +1,11 @@
 """Why residual connections: watch the gradient flow through deep stacks.
 
-    python examples/residual_flow.py                 # tables + pictures in docs/img/
-    python examples/residual_flow.py --quick         # the same study, smaller, < 1 minute
+    python examples/residual_flow.py                 # tables + pictures in out-residual_flow/
+    python examples/residual_flow.py --quick         # the same study, smaller
     python examples/residual_flow.py --out /tmp/rf   # pictures elsewhere
+
+(--help states the run times.) docs/regenerate.py runs it with --out docs/img to redraw
+the pictures of docs/RESIDUAL_FLOW.md and to rewrite the numbers quoted there.
 
 Three experiments, each a table on stdout and a PNG:
   1. a scalar stack: F(x) = tanh(0.5 x) applied again and again, plainly (x <- F(x)) or
@@ -12,10 +15,12 @@ Three experiments, each a table on stdout and a PNG:
   3. a short training run of the same model with residuals on and off, and pre- vs
      post-norm at a depth where it matters: loss curves.
 """
-import argparse
 import math
 import os
 import time
+
+import _cli
+_cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
 # NOTE: the models here are tiny (64-wide matrices). A multi-threaded BLAS spends more
 # time waking its threads than multiplying, and on a busy machine a step can get 50x
@@ -23,19 +28,21 @@ import time
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import microtensor as mt  # noqa: E402
 from microtensor import inspect as mti  # noqa: E402
 
+# Wall-clock seconds of a run with no arguments and of --quick (one thread), as measured
+# by docs/regenerate.py, which rewrites these lines and the docs that quote them.
+FULL_RUN_SECONDS = 90
+QUICK_RUN_SECONDS = 45
+
 # -----------------------------------------------------------------------------
 # Defaults (--quick shrinks them; see QUICK)
 DEFAULTS = dict(
-    out=os.path.join(REPO, "docs", "img"),
+    out="out-residual_flow",                     # pictures; docs/regenerate.py: docs/img
     scalar_depth=20,                             # experiment 1: depths 1..20
     depths=[2, 4, 8, 12, 16, 24, 32, 48],        # experiment 2: stack depths
     n_embd=64, n_head=4, block_size=64,          # model width and context (both 2 and 3)
@@ -97,7 +104,7 @@ def experiment_scalar(args, plt):
           f"{depths[-1]} layers it is {plain[-1]:.1e}: it vanishes geometrically. With the "
           "shortcut each layer multiplies it by 1 + F'(x) >= 1, so it never shrinks; the "
           "identity path carries it back unchanged and the branch only adds to it.")
-    return depths, plain, short
+    return dict(depth=depths[-1], plain=plain[-1], shortcut=short[-1])
 
 
 # -----------------------------------------------------------------------------
@@ -199,6 +206,9 @@ def experiment_depth(args, plt, train, vocab_size):
     post = runs["post-norm, residual"][deepest]
     collapsed = [i for i, v in enumerate(off["spread"]) if v < 1e-3]
     ratio = lambda v: v[0] / v[-1]
+    # post-norm's block 0 against the median of the other blocks
+    post_input_x = post["inputs"][0] / float(np.median(post["inputs"][1:]))
+    post_param_x = post["params"][0] / float(np.median(post["params"][1:]))
     print(f"\n[{paths[0]}] With residuals each of the {deepest} blocks gets about the same "
           f"gradient for its weights (first/last {ratio(on['params']):.2f}) and the positions "
           f"keep distinct vectors (spread >= {min(on['spread']):.2f}). Without them the "
@@ -218,10 +228,16 @@ def experiment_depth(args, plt, train, vocab_size):
           f"blocks 1-{deepest - 1} get weight gradients from {min(post['params'][1:]):.2g} to "
           f"{max(post['params'][1:]):.2g}. Block 0 is the exception: in post-norm its "
           "attention reads the raw embeddings (scale 0.02) with no norm in front, so its "
-          f"input gradient is {post['inputs'][0] / post['inputs'][1]:.0f}x the others'. "
-          "Post-norm's trouble comes in training (experiment 3): its norms sit on the skip "
-          "path, which stops being an identity as soon as the branches grow.")
-    return runs
+          f"input gradient is {post_input_x:.0f}x the others' (its weights' "
+          f"{post_param_x:.0f}x). Post-norm's trouble comes in training (experiment 3): its "
+          "norms sit on the skip path, which stops being an identity as soon as the branches "
+          "grow.")
+    return dict(depths=list(args.depths), deepest=deepest,
+                ratio_residual=ratio(on["params"]), spread_residual=min(on["spread"]),
+                collapse_block=collapsed[0] if collapsed else None,
+                spread_no_residual=min(off["spread"]), ratio_no_residual=ratio(off["params"]),
+                post_block0_input=post_input_x, post_block0_params=post_param_x,
+                post_params_min=min(post["params"][1:]), post_params_max=max(post["params"][1:]))
 
 
 def plot_depth(plt, runs, pair, depths, title, out, file):
@@ -347,7 +363,10 @@ def experiment_training(args, plt, train, val, vocab_size):
           f"{final[labels[3]]:.2f} pre). The dotted line, {unigram:.2f} nats/char, is the "
           "entropy of the character frequencies: a curve stuck there is a model that "
           "predicts how common each character is and ignores its input.")
-    return results
+    return dict(train_iters=args.train_iters, lr=args.lr, batch_size=args.batch_size,
+                block_size=args.block_size, deep=deep, shallow=shallow, unigram=unigram,
+                final=final, val={label: results[label][1] for label in labels},
+                escape=left, labels=labels)
 
 
 def escape_step(losses, plateau, k):
@@ -368,59 +387,86 @@ def tail(losses):
 # -----------------------------------------------------------------------------
 
 def save(fig, out, name):
+    """The figure as a small PNG in `out` (written under a temporary name of this process,
+    then renamed); returns its path, relative when it is below the working directory."""
     import matplotlib.pyplot as plt
-    os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
-    mti.save_small_png(fig, path, dpi=90, colors=128)
-    plt.close(fig)
+    try:
+        _cli.replace_with(path, lambda tmp: mti.save_small_png(fig, tmp, dpi=90, colors=128))
+    finally:
+        plt.close(fig)
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+    quick_depths = QUICK["depths"]
+    parser = _cli.ArgumentParser(
+        prog="residual_flow.py",
         description="Gradient flow through deep stacks, with and without residual "
-                    "connections: tables on stdout, pictures in --out.")
-    parser.add_argument("--out", default=DEFAULTS["out"], help="directory for the PNGs "
-                        "(default: docs/img in the repository)")
+                    "connections: tables on stdout, pictures in --out. Takes about "
+                    f"{_cli.minutes(FULL_RUN_SECONDS)} on one CPU core, --quick about "
+                    f"{_cli.minutes(QUICK_RUN_SECONDS)} (measured: {FULL_RUN_SECONDS} s and "
+                    f"{QUICK_RUN_SECONDS} s wall clock).")
+    parser.add_argument("--out", default=DEFAULTS["out"], help="directory for the PNGs, "
+                        f"created if needed (default: {DEFAULTS['out']}/ in the working "
+                        "directory; docs/regenerate.py passes --out docs/img)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smaller study (depths up to 16, 150 training steps): < 1 min")
-    parser.add_argument("--depths", type=int, nargs="+", help="stack depths for experiment 2 "
-                        f"(default: {DEFAULTS['depths']})")
-    parser.add_argument("--train_iters", type=int, help="training steps per run in "
-                        f"experiment 3 (default: {DEFAULTS['train_iters']})")
-    parser.add_argument("--lr", type=float, help="AdamW learning rate in experiment 3 "
-                        f"(default: {DEFAULTS['lr']:g})")
+                        help=f"a smaller study: depths {', '.join(map(str, quick_depths))}, "
+                             f"context {QUICK['block_size']}, {QUICK['train_iters']} training "
+                             "steps per run")
+    parser.add_argument("--depths", type=_cli.integer(2), nargs="+", metavar="N",
+                        help="stack depths for experiment 2, each >= 2 (the study compares "
+                             f"the first block with the others; default: "
+                             f"{' '.join(map(str, DEFAULTS['depths']))}, --quick "
+                             f"{' '.join(map(str, quick_depths))})")
+    parser.add_argument("--train_iters", type=_cli.positive_int, metavar="N",
+                        help="training steps per run in experiment 3, >= 1 (default: "
+                             f"{DEFAULTS['train_iters']}, --quick {QUICK['train_iters']})")
+    parser.add_argument("--lr", type=_cli.positive_number, help="AdamW learning rate in "
+                        f"experiment 3, > 0 (default: {DEFAULTS['lr']:g})")
     parser.add_argument("--skip", choices=["scalar", "depth", "training"], nargs="+",
-                        default=[], help="experiments to leave out")
-    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+                        default=[], help="experiments to leave out (default: none)")
+    parser.add_argument("--seed", type=_cli.seed_int, default=DEFAULTS["seed"],
+                        help=f"seed of the weights and the batches (default: {DEFAULTS['seed']})")
     args = parser.parse_args(argv)
     settings = dict(DEFAULTS, **(QUICK if args.quick else {}))
     for key, value in vars(args).items():
         if value is not None and key not in ("quick", "skip"):
             settings[key] = value
+    settings["depths"] = sorted(set(settings["depths"]))
     for key, value in settings.items():
         setattr(args, key, value)
+    if set(args.skip) != {"scalar", "depth", "training"}:
+        _cli.writable_dir(parser.prog, args.out)
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def study(args):
+    """Run the experiments not in args.skip; returns their numbers by experiment (the
+    sentences printed with each picture, and docs/RESIDUAL_FLOW.md, quote them)."""
     mt.set_num_threads(1)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     t0 = time.time()
+    facts = {}
     if "scalar" not in args.skip:
-        experiment_scalar(args, plt)
+        facts["scalar"] = experiment_scalar(args, plt)
     if "depth" not in args.skip or "training" not in args.skip:
         train, val, vocab_size = load_text()
     if "depth" not in args.skip:
-        experiment_depth(args, plt, train, vocab_size)
+        facts["depth"] = experiment_depth(args, plt, train, vocab_size)
     if "training" not in args.skip:
-        experiment_training(args, plt, train, val, vocab_size)
+        facts["training"] = experiment_training(args, plt, train, val, vocab_size)
     print(f"\ndone in {time.time() - t0:.0f}s; pictures in {args.out}/")
+    return facts
+
+
+def main(argv=None):
+    study(parse_args(argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

@@ -4,18 +4,20 @@
     python examples/sample.py --prompt "The " --num_samples 3 --temperature 0.7
     python examples/sample.py --ckpt out-char/ckpt_best.safetensors --top_p 0.9
 
-The prompt is printed first, then its continuation.
+The prompt is printed first, then its continuation. --temperature 0 is greedy decoding:
+always the most likely next character (the same text whatever the seed).
 """
-import argparse
 import os
-import sys
+
+import _cli
+_cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
 DEFAULTS = dict(
     ckpt=None,            # a checkpoint file; None = the newest one in out_dir
     out_dir="out-char",
     prompt="",            # "" = start from a newline, as if at the start of a paragraph
     max_new_tokens=500,
-    temperature=0.8,      # < 1 sharpens the distribution, > 1 flattens it
+    temperature=0.8,      # < 1 sharpens the distribution, > 1 flattens it, 0 = greedy
     top_k=40,             # keep the k most likely characters; 0 = all
     top_p=None,           # keep the smallest set with this total probability; None = all
     seed=1337,
@@ -25,8 +27,10 @@ DEFAULTS = dict(
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="sample.py",
-                                description="Generate text from a train_char.py checkpoint.")
+    p = _cli.ArgumentParser(prog="sample.py",
+                            description="Generate text from a train_char.py checkpoint. "
+                                        "500 characters of the default model take about a "
+                                        "second.")
 
     def option(name, type, help):
         default = DEFAULTS[name]
@@ -39,15 +43,19 @@ def build_parser():
     option("out_dir", str, "directory searched when --ckpt is not given")
     option("prompt", str, "text to continue, printed before the continuation; "
                           "empty = start at a new line")
-    option("max_new_tokens", int, "characters to generate per sample")
-    option("temperature", float, "sampling temperature (> 0)")
-    option("top_k", int, "sample among the k most likely characters; 0 = no limit")
-    option("top_p", float, "nucleus sampling: the smallest set of characters whose "
-                           "probabilities sum to top_p; none = no limit")
-    option("seed", int, "random seed")
-    option("num_samples", int, "number of samples")
-    option("threads", int, "threads for microtensor's kernels and BLAS; 0 = the libraries' "
-                           "defaults (all cores)")
+    option("max_new_tokens", _cli.nonnegative_int, "characters to generate per sample (>= 0)")
+    option("temperature", _cli.nonnegative_number,
+           "sampling temperature (>= 0): below 1 sharper, above 1 flatter, 0 = greedy "
+           "(always the most likely character)")
+    option("top_k", _cli.nonnegative_int, "sample among the k most likely characters; "
+                                          "0 = no limit")
+    option("top_p", _cli.number(0, 1, lo_open=True),
+           "nucleus sampling, in (0, 1]: the smallest set of characters whose probabilities "
+           "sum to top_p; none = no limit")
+    option("seed", _cli.seed_int, "random seed (>= 0)")
+    option("num_samples", _cli.positive_int, "number of samples (>= 1)")
+    option("threads", _cli.nonnegative_int, "threads for microtensor's kernels and BLAS; "
+                                            "0 = the libraries' defaults (all cores)")
     return p
 
 
@@ -57,21 +65,8 @@ def main(argv=None):
     prog = parser.prog
 
     def fail(message):
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+        _cli.fail(prog, message)
 
-    if args.max_new_tokens < 0:
-        fail(f"--max_new_tokens must be at least 0, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        fail(f"--num_samples must be at least 1, got {args.num_samples}")
-    if not args.temperature > 0:
-        fail(f"--temperature must be positive, got {args.temperature}")
-    if args.top_k < 0:
-        fail(f"--top_k must be at least 0, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        fail(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.threads < 0:
-        fail(f"--threads must be at least 0, got {args.threads}")
     if args.threads > 0:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(args.threads)
@@ -116,4 +111,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _cli.run(main)

@@ -1,15 +1,19 @@
 """Train a character-level GPT on a text file with microtensor.
 
-    python examples/train_char.py                     # Python's own docs, ~2 minutes on 2 cores
+    python examples/train_char.py                     # Python's own docs (run time: --help)
     python examples/train_char.py --data input.txt --n_layer 4 --n_head 4 --n_embd 128
     python examples/train_char.py --resume            # continue out-char/ckpt_last.safetensors
     python examples/sample.py --prompt "The "         # generate from the newest checkpoint
 
 Reads top to bottom like nanoGPT's train.py: defaults, data, model, optimizer, then one
 loop that evaluates, checkpoints and steps. Ctrl-C stops after the current step and
-writes a checkpoint that --resume continues exactly.
+writes a checkpoint that --resume continues exactly. A loss that turns NaN or Inf stops
+the run (exit status 1) before it can overwrite a good checkpoint; one run at a time
+owns --out_dir (a lock file), and a directory holding an earlier run is refused unless
+--resume or --force says what to do with it.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -17,10 +21,17 @@ import signal
 import sys
 import time
 
+import _cli
+_cli.script(__name__)   # from here on, Ctrl-C exits quietly
+
+# Wall-clock seconds of the run with no arguments (one thread, the sample included), as
+# measured by docs/regenerate.py, which rewrites this line and the docs that quote it.
+DEFAULT_RUN_SECONDS = 89
+
 # -----------------------------------------------------------------------------
 # Defaults. Every one can be overridden: --name value (see --help). They are sized so
-# that a run with no arguments trains for about two minutes on 2 CPU cores and then
-# writes mostly real words.
+# that a run with no arguments trains for about DEFAULT_RUN_SECONDS on one CPU core and
+# then writes mostly real words.
 DEFAULTS = dict(
     # I/O
     out_dir="out-char",      # checkpoints, metrics.csv and loss.png go here
@@ -68,14 +79,21 @@ DEFAULTS = dict(
 MODEL_SHAPE_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "bias", "norm", "pos",
                     "mlp", "prenorm", "tie_weights", "d_ff")
 # options that describe this invocation, never taken from a checkpoint
-NOT_RESUMED_KEYS = ("out_dir", "resume", "threads")
+NOT_RESUMED_KEYS = ("out_dir", "resume", "threads", "force")
+# what a run writes in out_dir (--force removes an earlier run's copies first)
+OUTPUT_NAMES = ("ckpt_last.safetensors", "ckpt_best.safetensors", "metrics.csv", "loss.png")
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = _cli.ArgumentParser(
         prog="train_char.py",
-        description="Train a character-level GPT with microtensor. Defaults train on "
-                    "Python's documentation text for about two minutes on 2 CPU cores.",
+        description="Train a character-level GPT with microtensor. The defaults train on "
+                    "Python's documentation text in about "
+                    f"{_cli.minutes(DEFAULT_RUN_SECONDS)} on one CPU core (measured: "
+                    f"{DEFAULT_RUN_SECONDS} s wall clock, the final sample included). Bad "
+                    "options end in one line 'error: ...' and exit status 2; a loss that "
+                    "becomes NaN or Inf stops the run with status 1 and keeps the last "
+                    "good checkpoint; Ctrl-C saves a checkpoint and exits with status 130.",
         # SUPPRESS: only options given on the command line appear in the result, so
         # --resume can tell an explicit --n_embd (must match the checkpoint) from a default
         argument_default=argparse.SUPPRESS,
@@ -100,47 +118,67 @@ def build_parser():
                     help="continue the run in out_dir from ckpt_last.safetensors; settings "
                          "not given on the command line come from the checkpoint "
                          "(default: start afresh)")
-    option("eval_interval", "evaluate, log and checkpoint every N iterations", int, io)
-    option("eval_iters", "batches per split averaged for the train and val loss", int, io)
-    option("sample_chars", "characters of text sampled at the end (0: no sample)", int, io)
+    io.add_argument("--force", action="store_true",
+                    help="start afresh in an out_dir that already holds files, replacing an "
+                         "earlier run's " + ", ".join(OUTPUT_NAMES) + " (default: refuse "
+                         "such a directory unless --resume)")
+    option("eval_interval", "evaluate, log and checkpoint every N iterations (>= 1)",
+           _cli.positive_int, io)
+    option("eval_iters", "batches per split averaged for the train and val loss (>= 1)",
+           _cli.positive_int, io)
+    option("sample_chars", "characters of text sampled at the end (0: no sample)",
+           _cli.nonnegative_int, io)
 
     model = p.add_argument_group("model (GPTConfig)")
-    option("n_layer", "number of transformer blocks", int, model)
-    option("n_head", "attention heads per block", int, model)
-    option("n_embd", "embedding width (a multiple of n_head)", int, model)
-    option("block_size", "context length in characters", int, model)
-    option("dropout", "dropout probability during training", float, model)
+    option("n_layer", "number of transformer blocks (>= 1)", _cli.positive_int, model)
+    option("n_head", "attention heads per block (>= 1, divides n_embd)", _cli.positive_int,
+           model)
+    option("n_embd", "embedding width (a multiple of n_head)", _cli.positive_int, model)
+    option("block_size", "context length in characters (>= 1)", _cli.positive_int, model)
+    option("dropout", "dropout probability during training, in [0, 1)", _cli.probability,
+           model)
     option("norm", "normalisation layer", str, model, choices=["layernorm", "rmsnorm"])
     option("pos", "position information", str, model,
            choices=["learned", "sinusoidal", "rope", "none"])
     option("mlp", "feed-forward type (swiglu has three matrices)", str, model,
            choices=["gelu", "relu", "swiglu"])
-    option("d_ff", "hidden width of the feed-forward block; none = 4*n_embd, or for swiglu "
-           "8/3*n_embd rounded up to a multiple of 8 (about the same parameter count)",
-           int, model)
+    option("d_ff", "hidden width of the feed-forward block (>= 1); none = 4*n_embd, or for "
+           "swiglu 8/3*n_embd rounded up to a multiple of 8 (about the same parameter count)",
+           _cli.positive_int, model)
     flag("prenorm", "normalise before attention/MLP (pre-norm) instead of after", model)
     flag("bias", "biases in Linear and LayerNorm layers", model)
     flag("tie_weights", "share the token embedding with the output layer", model)
 
     train = p.add_argument_group("training (AdamW, warmup then cosine decay)")
-    option("batch_size", "sequences per micro-batch", int, train)
-    option("grad_accum", "micro-batches accumulated per optimizer step", int, train)
-    option("max_iters", "optimizer steps in total", int, train)
-    option("lr", "peak learning rate", float, train)
-    option("min_lr", "final learning rate; none = lr/10", float, train)
-    option("warmup_iters", "linear warmup steps", int, train)
+    option("batch_size", "sequences per micro-batch (>= 1)", _cli.positive_int, train)
+    option("grad_accum", "micro-batches accumulated per optimizer step (>= 1)",
+           _cli.positive_int, train)
+    option("max_iters", "optimizer steps in total (0: evaluate and save the initial model)",
+           _cli.nonnegative_int, train)
+    option("lr", "peak learning rate (> 0; above 1 a warning, and a run whose loss turns "
+           "NaN stops)", _cli.positive_number, train)
+    option("min_lr", "final learning rate, in [0, lr]; none = lr/10", _cli.nonnegative_number,
+           train)
+    option("warmup_iters", "linear warmup steps (>= 0)", _cli.nonnegative_int, train)
     option("lr_decay_iters", "step where the cosine decay reaches min_lr; none = max_iters",
-           int, train)
-    option("weight_decay", "AdamW weight decay on 2-D weights (biases and norms get none)",
-           float, train)
-    option("beta1", "AdamW beta1", float, train)
-    option("beta2", "AdamW beta2", float, train)
-    option("grad_clip", "clip the gradient norm to this value; 0 = no clipping", float, train)
+           _cli.nonnegative_int, train)
+    option("weight_decay", "AdamW weight decay on 2-D weights (biases and norms get none), "
+           ">= 0", _cli.nonnegative_number, train)
+    option("beta1", "AdamW beta1, in [0, 1)", _cli.beta, train)
+    option("beta2", "AdamW beta2, in [0, 1)", _cli.beta, train)
+    option("grad_clip", "clip the gradient norm to this value; 0 = no clipping",
+           _cli.nonnegative_number, train)
 
     system = p.add_argument_group("system")
-    option("seed", "seed for initialisation, dropout and batch sampling", int, system)
+    option("seed", "seed for initialisation, dropout and batch sampling (>= 0)",
+           _cli.seed_int, system)
     option("threads", "threads for microtensor's kernels and BLAS; 0 = the libraries' "
-           "defaults (all cores)", int, system)
+           "defaults (all cores)", _cli.nonnegative_int, system)
+    system.add_argument("--ddp", action="store_true",
+                        help="data-parallel training over MPI: mpiexec -n N python "
+                             "examples/train_char.py --ddp; each rank trains on its own "
+                             "batches, rank 0 alone writes (needs pip install "
+                             "'microtensor[mpi]'; default: one process)")
     return p
 
 
@@ -157,19 +195,22 @@ def get_lr(it, run):
 
 
 def main(argv=None):
+    # what must be undone however the run ends (the lock on out_dir) goes on `cleanup`
+    with contextlib.ExitStack() as cleanup:
+        return train(argv, cleanup)
+
+
+def train(argv, cleanup):
     parser = build_parser()
     given = vars(parser.parse_args(argv))
     prog = parser.prog
 
-    def fail(message):
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+    def fail(message, status=_cli.EXIT_USAGE):
+        _cli.fail(prog, message, status)
 
     # Threads first: OpenBLAS reads these when numpy is imported (a no-op when main()
     # runs inside a process that already imported numpy; set_blas_threads covers that).
     threads = given.get("threads", DEFAULTS["threads"])
-    if threads < 0:
-        fail(f"--threads must be at least 0, got {threads}")
     if threads > 0:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(threads)
@@ -183,6 +224,19 @@ def main(argv=None):
     if threads > 0:
         mt.set_num_threads(threads)
         chardata.set_blas_threads(threads)
+
+    # --- ddp: under `mpiexec -n N ... --ddp` every rank trains on its own batches and
+    # evaluates (the same batches and weights everywhere, so all ranks stay in step);
+    # rank 0 alone writes the log, metrics, plot and checkpoints. An error on any rank
+    # ends the whole job.
+    rank, world, ddp_model = 0, 1, None
+    if given.get("ddp"):
+        import microtensor.distributed as dist
+        rank, world = dist.init()
+        cleanup.enter_context(dist.abort_on_error())
+        if rank > 0:
+            sys.stdout = open(os.devnull, "w")
+    # --- end ddp
 
     # -------------------------------------------------------------------------
     # settings: defaults < checkpoint (when resuming) < command line
@@ -222,16 +276,16 @@ def main(argv=None):
             fail(f"--{key} must be at least 0, got {run[key]}")
     if not 0.0 <= run["dropout"] < 1.0:
         fail(f"--dropout must be in [0, 1), got {run['dropout']}")
-
-    # the output directory must be writable before we spend minutes training
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, ".write_test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        fail(f"cannot write to --out_dir {out_dir}: {e.strerror or e}")
+    _cli.check_heads(prog, "n_embd", run["n_embd"], run["n_head"])
+    if run["min_lr"] > run["lr"]:
+        fail(f"--min_lr {run['min_lr']:g} is above --lr {run['lr']:g}: the schedule decays "
+             "from lr down to min_lr")
+    if given.get("force") and given.get("resume"):
+        fail("--force starts afresh and --resume continues: give one of them")
+    if run["lr"] > 1:
+        print(f"note: --lr {run['lr']:g} is far above the usual 1e-4 to 1e-2; if the loss "
+              "becomes NaN or Inf the run stops and keeps its last good checkpoint",
+              file=sys.stderr)
 
     # -------------------------------------------------------------------------
     # data: characters -> ids, 90% train / 10% val
@@ -249,6 +303,25 @@ def main(argv=None):
     if checkpoint and checkpoint[2].get("data_sha256") != chardata.text_fingerprint(text):
         print(f"note: {data_name} differs from the text this checkpoint was trained on",
               file=sys.stderr)
+
+    # -------------------------------------------------------------------------
+    # the output directory: writable, ours alone (a lock file naming this process, taken
+    # over when its process is gone), and not holding an earlier run we would overwrite
+    _cli.writable_dir(prog, out_dir, "--out_dir")
+    try:
+        if rank == 0:  # ddp: rank 0 alone owns out_dir
+            cleanup.enter_context(_cli.OutDirLock(out_dir))
+    except _cli.OutDirBusy as e:
+        fail(f"--out_dir {out_dir} is {e}; wait for that run or choose another --out_dir")
+    earlier = _cli.foreign_entries(out_dir) if rank == 0 else []  # ddp
+    if earlier and not given.get("resume"):
+        if not given.get("force"):
+            fail(f"--out_dir {out_dir} already holds {', '.join(earlier[:4])}"
+                 f"{' ...' if len(earlier) > 4 else ''}: continue that run with --resume, "
+                 "start afresh there with --force, or choose another --out_dir")
+        for name in OUTPUT_NAMES:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out_dir, name))
     splits = {"train": train_data, "val": val_data}
     batch_rng = np.random.default_rng(run["seed"])  # the training batches
 
@@ -294,7 +367,21 @@ def main(argv=None):
         if iter_num > run["max_iters"]:
             fail(f"the checkpoint is at iteration {iter_num}, beyond --max_iters "
                  f"{run['max_iters']}; give a larger --max_iters to continue")
-    tokens_per_iter = run["batch_size"] * run["block_size"] * run["grad_accum"]
+    # --- ddp: rank 0's weights go to every rank; backward averages the gradients
+    if given.get("ddp"):
+        ddp_model = mt.nn.parallel.DistributedDataParallel(model)
+
+    def train_forward(x, y, micro):
+        """forward for training: under ddp, micro-batches before the last one of a step
+        keep their gradients local (no_sync); the last backward averages the sum"""
+        if ddp_model is None:
+            return model(x, y)
+        if micro < run["grad_accum"] - 1:
+            with ddp_model.no_sync():
+                return ddp_model(x, y)
+        return ddp_model(x, y)
+    # --- end ddp
+    tokens_per_iter = run["batch_size"] * run["block_size"] * run["grad_accum"] * world
     n_params = model.num_parameters()
     print(f"{data_name}: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
           f"{len(train_data):,} train / {len(val_data):,} val")
@@ -336,12 +423,17 @@ def main(argv=None):
                 fields = line.split(",")
                 if len(fields) == 5 and int(fields[0]) <= iter_num:
                     rows.append((int(fields[0]),) + tuple(float(v) for v in fields[1:]))
-    with open(metrics_path, "w") as f:
-        f.write(header)
-        f.writelines(f"{r[0]},{r[1]:.8g},{r[2]:.8g},{r[3]:.8g},{r[4]:.1f}\n" for r in rows)
+    def write_metrics(tmp):
+        with open(tmp, "w") as f:
+            f.write(header)
+            f.writelines(f"{r[0]},{r[1]:.8g},{r[2]:.8g},{r[3]:.8g},{r[4]:.1f}\n" for r in rows)
+    if rank == 0:  # ddp
+        _cli.replace_with(metrics_path, write_metrics)
 
     def log_metrics(row):
         rows.append(row)
+        if rank > 0:  # ddp: rank 0 alone writes
+            return
         with open(metrics_path, "a") as f:
             f.write(f"{row[0]},{row[1]:.8g},{row[2]:.8g},{row[3]:.8g},{row[4]:.1f}\n")
         plot_losses()
@@ -360,12 +452,30 @@ def main(argv=None):
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        tmp_png = os.path.join(out_dir, ".loss.png.tmp.png")
-        fig.savefig(tmp_png, dpi=100)
-        plt.close(fig)
-        os.replace(tmp_png, os.path.join(out_dir, "loss.png"))
+        try:
+            _cli.replace_with(os.path.join(out_dir, "loss.png"),
+                              lambda tmp: fig.savefig(tmp, dpi=100))
+        finally:
+            plt.close(fig)
+
+    saved_iter = [iter_num if checkpoint is not None else None]  # of ckpt_last
+
+    def stop_diverged(what):
+        """A NaN or Inf: stop before anything is saved (exit status 1)."""
+        progress.close()
+        kept = (f"the last good checkpoint, {last_path} (iteration {saved_iter[0]}), is kept"
+                if saved_iter[0] is not None else "no checkpoint was written")
+        fail(f"{what} at iteration {iter_num}: training stopped and {kept}. Try a lower --lr "
+             f"(this run: {run['lr']:g}) or --grad_clip", _cli.EXIT_ERROR)
 
     def save(path):
+        if rank > 0:  # ddp: rank 0 alone saves
+            return
+        # NaN weights never overwrite a checkpoint
+        bad = [name for name, p in model.named_parameters() if not np.isfinite(p.numpy()).all()]
+        if bad:
+            stop_diverged(f"the weights hold NaN or Inf ({bad[0]}"
+                          f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''})")
         info = dict(
             run=run, config=dataclasses.asdict(config), vocab=tokenizer.chars,
             iter=iter_num, best_val_loss=best_val_loss,
@@ -375,27 +485,34 @@ def main(argv=None):
         try:
             chardata.save_checkpoint(path, model, optimizer, info)
         except OSError as e:
-            fail(f"cannot write checkpoint {path}: {e.strerror or e}")
+            fail(f"cannot write checkpoint {path}: {e.strerror or e}", _cli.EXIT_ERROR)
+        if path == last_path:
+            saved_iter[0] = iter_num
 
     def copy_checkpoint(source, destination):
         """A hard link when the file system allows (the next save of `source` writes a new
         file, so `destination` keeps this one); otherwise a second save."""
-        tmp = os.path.join(out_dir, ".ckpt_link.tmp")
+        if rank > 0:  # ddp
+            return
+        tmp = _cli.temp_path(destination)
         try:
             if os.path.lexists(tmp):
                 os.remove(tmp)
             os.link(source, tmp)
             os.replace(tmp, destination)
         except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
             save(destination)
 
     # Ctrl-C asks the loop to stop at the next step boundary, so the checkpoint it writes
     # is consistent (never half an optimizer step) and --resume continues exactly.
     # A second Ctrl-C interrupts at once.
     stop_requested = []
+    stop_pending = []  # ddp: a rank's own Ctrl-C, until all ranks agree (loop top)
 
     def request_stop(signum, frame):
-        stop_requested.append(signum)
+        (stop_pending if world > 1 else stop_requested).append(signum)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         tqdm.write("\ninterrupt: stopping after this step (Ctrl-C again to quit without saving)")
 
@@ -413,6 +530,8 @@ def main(argv=None):
     smoothed_tps = None
     try:
         while True:
+            if world > 1 and dist.all_reduce(mt.tensor([float(len(stop_pending))])).item():
+                stop_requested.append(signal.SIGINT)  # ddp: every rank stops at this step
             if stop_requested:
                 save(last_path)
                 progress.close()
@@ -430,6 +549,9 @@ def main(argv=None):
                 losses = estimate_loss()
                 if losses is None:
                     continue
+                if not all(math.isfinite(v) for v in losses.values()):
+                    stop_diverged(f"the evaluation loss is train {losses['train']}, "
+                                  f"val {losses['val']}")
                 tps = train_tokens / train_seconds if train_seconds > 0 else 0.0
                 train_seconds, train_tokens = 0.0, 0
                 log_metrics((iter_num, losses["train"], losses["val"], lr, tps))
@@ -445,12 +567,20 @@ def main(argv=None):
                 break
 
             t0 = time.perf_counter()
-            for _ in range(run["grad_accum"]):
+            if rank > 0:  # ddp: rank r's batches (and dropout) follow from (seed, rank, step)
+                batch_rng = np.random.default_rng([run["seed"], rank, iter_num])
+                mt.manual_seed(int(batch_rng.integers(2**62)))
+            for micro in range(run["grad_accum"]):
                 x, y = get_batch("train", batch_rng)
-                _, loss = model(x, y)
+                _, loss = train_forward(x, y, micro)
+                loss_value = loss.item()
+                if not math.isfinite(loss_value):   # stop before the step spreads it
+                    stop_diverged(f"the training loss is {loss_value}")
                 (loss / run["grad_accum"]).backward()  # gradients add up over micro-batches
             if run["grad_clip"] > 0:
-                mt.nn.utils.clip_grad_norm_(params, run["grad_clip"])
+                grad_norm = mt.nn.utils.clip_grad_norm_(params, run["grad_clip"]).item()
+                if not math.isfinite(grad_norm):
+                    stop_diverged(f"the gradient norm is {grad_norm}")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             iter_num += 1
@@ -460,7 +590,7 @@ def main(argv=None):
             train_tokens += tokens_per_iter
             tps = tokens_per_iter / dt
             smoothed_tps = tps if smoothed_tps is None else 0.9 * smoothed_tps + 0.1 * tps
-            progress.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}",
+            progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}",
                                  tok_s=f"{smoothed_tps:,.0f}", refresh=False)
             progress.update(1)
     except KeyboardInterrupt:
@@ -477,7 +607,7 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------
     # a sample from the final model
-    if run["sample_chars"] > 0:
+    if run["sample_chars"] > 0 and rank == 0:  # ddp: one sample
         mt.manual_seed(run["seed"])
         start = "\n" if "\n" in tokenizer.stoi else tokenizer.chars[0]
         idx = mt.from_numpy(tokenizer.encode(start)[None, :])   # (1, 1)
@@ -490,4 +620,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _cli.run(main)

@@ -1,6 +1,6 @@
 """Train the 2017 encoder-decoder Transformer to reverse strings of digits.
 
-    python examples/train_seq2seq.py                 # about 3 minutes on 2 CPU cores
+    python examples/train_seq2seq.py                 # run time: see --help
     python examples/train_seq2seq.py --max_len 12 --steps 3000 --prenorm
 
 The source is a string of 1 to max_len digits, the target the same digits reversed.
@@ -9,36 +9,51 @@ so the decoder has to find the right source position through cross-attention: no
 fixed lookup table solves it. Exact match (every digit and the end token right, by
 greedy decoding with the KV cache) is measured on held-out strings that never appear
 in training; training stops early once the validation strings are all but perfect.
+Exit status: 0 when the test exact match reaches 99%, 1 below that, 2 for bad options,
+130 after Ctrl-C.
 """
-import argparse
-import os
-import sys
+import math
 import time
 
-import numpy as np
+import _cli
+_cli.script(__name__)   # from here on, Ctrl-C exits quietly
+
+import numpy as np  # noqa: E402
+
+# Wall-clock seconds of the run with no arguments (one thread), as measured by
+# docs/regenerate.py, which rewrites this line and the docs that quote it.
+DEFAULT_RUN_SECONDS = 38
 
 # -----------------------------------------------------------------------------
-# Defaults: name -> (value, what it is). Each can be overridden: --name value
+# Defaults: name -> (value, accepted values, what it is). Each can be overridden:
+# --name value
 DEFAULTS = dict(
-    seed=(0, "seeds the data, the init and the held-out split"),
-    min_len=(1, "fewest digits in a string"),
-    max_len=(10, "most digits in a string"),
-    n_val=(500, "held-out strings checked during training (for early stopping)"),
-    n_test=(1000, "held-out strings for the final accuracy, not looked at before"),
-    d_model=(64, "model width"),
-    n_head=(4, "attention heads"),
-    n_layer=(2, "encoder layers; the decoder has as many"),
-    d_ff=(256, "MLP hidden width"),
-    dropout=(0.0, "fresh random data every step: nothing to regularise against"),
-    batch_size=(64, "strings per step"),
-    steps=(2500, "at most this many steps (stops earlier at target_acc)"),
-    lr=(1e-3, "peak learning rate of AdamW"),
-    warmup=(100, "linear warmup steps (post-norm Transformers need one)"),
-    weight_decay=(0.01, "AdamW weight decay"),
-    eval_interval=(100, "steps between validation checks"),
-    target_acc=(1.0, "stop once the validation exact match reaches this"),
-    threads=(1, "threads for microtensor's kernels and BLAS; this model's matrices are "
-                "small, and on a busy machine a second thread costs more than it gives"),
+    seed=(0, _cli.seed_int, "seeds the data, the init and the held-out split"),
+    min_len=(1, _cli.positive_int, "fewest digits in a string"),
+    max_len=(10, _cli.positive_int, "most digits in a string (>= min_len)"),
+    n_val=(500, _cli.positive_int,
+           "held-out strings checked during training (for early stopping)"),
+    n_test=(1000, _cli.positive_int,
+            "held-out strings for the final accuracy, not looked at before"),
+    d_model=(64, _cli.positive_int, "model width (a multiple of n_head)"),
+    n_head=(4, _cli.positive_int, "attention heads (divides d_model)"),
+    n_layer=(2, _cli.positive_int, "encoder layers; the decoder has as many"),
+    d_ff=(256, _cli.positive_int, "MLP hidden width"),
+    dropout=(0.0, _cli.probability,
+             "dropout probability in [0, 1); fresh random data every step leaves nothing "
+             "to regularise against"),
+    batch_size=(64, _cli.positive_int, "strings per step"),
+    steps=(2500, _cli.positive_int, "at most this many steps (stops earlier at target_acc)"),
+    lr=(1e-3, _cli.positive_number, "peak learning rate of AdamW"),
+    warmup=(100, _cli.nonnegative_int, "linear warmup steps (post-norm Transformers need one)"),
+    weight_decay=(0.01, _cli.nonnegative_number, "AdamW weight decay"),
+    eval_interval=(100, _cli.positive_int, "steps between validation checks"),
+    target_acc=(1.0, _cli.number(0, 1, lo_open=True),
+                "stop once the validation exact match reaches this, in (0, 1]"),
+    threads=(1, _cli.nonnegative_int,
+             "threads for microtensor's kernels and BLAS (0: the libraries' defaults); this "
+             "model's matrices are small, and on a busy machine a second thread costs more "
+             "than it gives"),
 )
 
 PAD, BOS, EOS, FIRST_DIGIT = 0, 1, 2, 3   # tokens 3..12 are the digits 0..9
@@ -46,14 +61,32 @@ VOCAB = FIRST_DIGIT + 10
 HOLDOUT_MIN_LEN = 4
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for name, (value, help_text) in DEFAULTS.items():
-        parser.add_argument(f"--{name}", type=type(value), default=value, help=help_text)
+def parse_args(argv=None):
+    parser = _cli.ArgumentParser(
+        prog="train_seq2seq.py",
+        description=__doc__.split("\n\n")[0] + " With the defaults it reaches 100% "
+                    f"exact match in about {_cli.minutes(DEFAULT_RUN_SECONDS)} on one CPU "
+                    f"core (measured: {DEFAULT_RUN_SECONDS} s wall clock).")
+    for name, (value, kind, help_text) in DEFAULTS.items():
+        parser.add_argument(f"--{name}", type=kind, default=value, metavar=name.upper(),
+                            help=f"{help_text} (default: {value})")
     parser.add_argument("--prenorm", action="store_true",
-                        help="pre-norm blocks instead of the 2017 post-norm")
-    return parser.parse_args()
+                        help="pre-norm blocks instead of the 2017 post-norm (default: post-norm)")
+    args = parser.parse_args(argv)
+    if args.min_len > args.max_len:
+        _cli.fail(parser.prog, f"--min_len {args.min_len} is above --max_len {args.max_len}")
+    _cli.check_heads(parser.prog, "d_model", args.d_model, args.n_head)
+    # the held-out strings are drawn from lengths holdout_min..max_len (see main) and
+    # must leave most strings of those lengths to train on
+    holdout_min = max(args.min_len, min(HOLDOUT_MIN_LEN, args.max_len))
+    available = sum(10 ** n for n in range(holdout_min, args.max_len + 1))
+    lengths = (f"{holdout_min}-{args.max_len}" if holdout_min < args.max_len
+               else str(args.max_len))
+    if args.n_val + args.n_test > available // 2:
+        _cli.fail(parser.prog, f"--n_val {args.n_val} + --n_test {args.n_test} held-out "
+                               f"strings are more than half of the {available:,} strings of "
+                               f"{lengths} digits; use fewer or a larger --max_len")
+    return args
 
 
 def random_strings(rng, n, min_len, max_len):
@@ -99,8 +132,14 @@ def exact_match(model, strings, max_len, batch_size=250):
     return correct / len(strings)
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
+    results = train(args)
+    return 0 if results["test_acc"] >= 0.99 else 1
+
+
+def train(args):
+    """The whole run; returns its numbers (docs/regenerate.py quotes them)."""
     import microtensor as mt
     from microtensor.threads import set_threads
     from models import EncoderDecoder
@@ -114,10 +153,10 @@ def main():
     # holding some of those out would remove whole lengths from training, while a
     # million-odd longer ones make the exclusion cost nothing.
     holdout_min = max(args.min_len, min(HOLDOUT_MIN_LEN, args.max_len))
-    held_out = list(dict.fromkeys(random_strings(rng, 2 * (args.n_val + args.n_test),
-                                                 holdout_min, args.max_len)))
-    if len(held_out) < args.n_val + args.n_test:
-        sys.exit("too few distinct strings of these lengths for the held-out sets")
+    held_out = []
+    while len(held_out) < args.n_val + args.n_test:   # parse_args made sure there are enough
+        held_out = list(dict.fromkeys(held_out + random_strings(
+            rng, 2 * (args.n_val + args.n_test), holdout_min, args.max_len)))
     val, test = held_out[:args.n_val], held_out[args.n_val:args.n_val + args.n_test]
     excluded = set(val) | set(test)
     print(f"held out: {len(val)} validation + {len(test)} test strings of {holdout_min}-"
@@ -143,10 +182,17 @@ def main():
     t0 = time.time()
     val_acc = 0.0
     for step in range(1, args.steps + 1):
-        strings = [s for s in random_strings(rng, args.batch_size + 8, args.min_len, args.max_len)
-                   if s not in excluded][:args.batch_size]
+        strings = []
+        while len(strings) < args.batch_size:
+            strings += [s for s in random_strings(rng, args.batch_size + 8, args.min_len,
+                                                  args.max_len) if s not in excluded]
+        strings = strings[:args.batch_size]
         src, tgt_in, targets = (mt.from_numpy(a) for a in encode_batch(strings, args.max_len))
         _, loss = model(src, tgt_in, targets)
+        if not math.isfinite(loss.item()):
+            _cli.fail("train_seq2seq.py", f"the loss became {loss.item()} at step {step}: "
+                      f"training stopped; try a lower --lr (this run: {args.lr:g})",
+                      _cli.EXIT_ERROR)
         optimizer.zero_grad()
         loss.backward()
         mt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -164,16 +210,20 @@ def main():
 
     test_acc = exact_match(model, test, args.max_len)
     longest = [s for s in test if len(s) == args.max_len]
+    longest_acc = exact_match(model, longest, args.max_len) if longest else None
     print(f"test exact match: {test_acc:.2%} on {len(test)} held-out strings "
-          f"({exact_match(model, longest, args.max_len):.2%} on the {len(longest)} of "
-          f"length {args.max_len}); trained {step} steps in {train_time:.0f}s")
+          + (f"({longest_acc:.2%} on the {len(longest)} of length {args.max_len}); "
+             if longest else "")
+          + f"trained {step} steps in {train_time:.0f}s")
     for digits in test[:3]:
         src, _, _ = encode_batch([digits], args.max_len)
         out = model.generate(mt.from_numpy(src), args.max_len + 1, bos_id=BOS, eos_id=EOS)
         decoded = "".join(str(t - FIRST_DIGIT) for t in out.numpy()[0, 1:] if t >= FIRST_DIGIT)
         print(f"  {''.join(map(str, digits)):>{args.max_len}} -> {decoded}")
-    return 0 if test_acc >= 0.99 else 1
+    return dict(test_acc=test_acc, longest_acc=longest_acc, n_longest=len(longest),
+                val_acc=val_acc, steps=step, train_seconds=train_time,
+                n_test=len(test), parameters=model.num_parameters())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _cli.run(main)

@@ -5,7 +5,40 @@
     (x.tanh() * 2).sum().backward()
     x.grad
 """
-from microtensor import _core
+
+
+def _explain_missing_core(error):
+    """The error for a failed import of the compiled core. Run from a source folder that
+    was never built (a fresh clone, at its root), the folder hides any installed copy and
+    Python would only say 'cannot import name _core from partially initialized module':
+    say instead what to do."""
+    import os
+    from importlib.machinery import EXTENSION_SUFFIXES
+    here = os.path.dirname(os.path.abspath(__file__))
+    if any(os.path.exists(os.path.join(here, "_core" + s)) for s in EXTENSION_SUFFIXES):
+        return error             # built, yet it failed: the original error says why
+    root = os.path.dirname(here)
+    installed = [os.path.join(p, "microtensor") for p in __import__("sys").path
+                 if os.path.abspath(p or ".") != root and any(
+                     os.path.exists(os.path.join(p, "microtensor", "_core" + s))
+                     for s in EXTENSION_SUFFIXES)]
+    found = (f" (an installed microtensor is in {installed[0]})" if installed else "")
+    return ImportError(
+        f"microtensor is being imported from its source folder {here}, where the compiled "
+        f"core (_core{EXTENSION_SUFFIXES[0]}) has not been built. Python looks in the "
+        f"current directory first, so this folder hides an installed copy{found}.\n"
+        "Either install microtensor and run Python from another directory:\n"
+        "    pip install .      (then leave this folder: cd elsewhere)\n"
+        "or build it here, in place, for development:\n"
+        '    pip install -e ".[test]"\n'
+        "    or: python setup.py build_ext --inplace   (needs Cython, numpy, scipy and "
+        'setuptools: pip install -e ".[dev]" brings them)')
+
+
+try:
+    from microtensor import _core
+except ImportError as _error:
+    raise _explain_missing_core(_error) from None
 from microtensor._core import (
     Tensor, Parameter, ShapeError, Node,
     float32, float64, int64, int32, uint8, bool_ as bool,

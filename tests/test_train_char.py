@@ -276,7 +276,21 @@ def test_sample_errors(trained, tmp_path):
     damaged.write_bytes(open(ckpt, "rb").read()[:1000])
     expect_error(sample, ["--ckpt", str(damaged)], "cannot read checkpoint", str(damaged))
     expect_error(sample, ["--ckpt", str(tmp_path / "nope.safetensors")], "not found")
-    expect_error(sample, ["--ckpt", ckpt, "--temperature", "0"], "--temperature")
+    expect_error(sample, ["--ckpt", ckpt, "--temperature", "-1"], "--temperature")
+    expect_error(sample, ["--ckpt", ckpt, "--temperature", "nan"], "--temperature")
+
+
+def test_sample_temperature_zero_is_greedy(trained):
+    """generate documents temperature=0 as argmax: the text no longer depends on the seed."""
+    out_dir, _ = trained
+    argv = ["--out_dir", out_dir, "--threads", "1", "--prompt", "The ", "--max_new_tokens",
+            "30", "--temperature", "0"]
+    runs = [run_main(sample, argv + ["--seed", seed]) for seed in ("1", "2")]
+    assert [code for code, _, _ in runs] == [0, 0], runs
+    assert runs[0][1] == runs[1][1] and runs[0][1].startswith("The ")
+    # sampling at temperature 1 with these two seeds differs (so the seed did matter there)
+    sampled = [run_main(sample, argv[:-1] + ["1", "--seed", seed])[1] for seed in ("1", "2")]
+    assert sampled[0] != sampled[1]
 
 
 def test_help_explains_every_option():
