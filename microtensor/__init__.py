@@ -55,7 +55,7 @@ from microtensor._core import (
     set_num_threads, get_num_threads,
 )
 from microtensor import autograd
-from microtensor.autograd import gradcheck
+from microtensor.autograd import gradcheck, gradgradcheck
 from microtensor import nn, optim
 from microtensor import inspect
 from microtensor.threads import set_blas_threads, get_blas_threads, blas_info, set_threads

@@ -1,7 +1,7 @@
 """Numerical gradient checking: analytic gradients against central differences."""
 import numpy as np
 
-from microtensor._core import Tensor, run_backward, no_grad
+from microtensor._core import Tensor, run_backward, wrap
 
 
 class GradcheckError(RuntimeError):
@@ -48,8 +48,9 @@ def compare_gradients(fn, inputs, eps=1e-6, seed=0):
                             [inputs[i] for i in checked], False)
 
     def objective():
-        with no_grad():
-            vals = _outputs_of(fn, inputs)
+        # grad mode stays on (as in torch's gradcheck): a function may register hooks or
+        # call backward inside; the graphs built here are simply dropped
+        vals = _outputs_of(fn, inputs)
         return sum(float(np.sum(v._data.astype(np.float64) * u)) for v, u in zip(vals, upstream)
                    if u is not None)
 
@@ -73,6 +74,29 @@ def compare_gradients(fn, inputs, eps=1e-6, seed=0):
     return result
 
 
+def _verdict(results, atol, rtol, raise_exception, what, name=lambda i: f"input {i}"):
+    """True if every element passes |analytic - numerical| <= atol + rtol |numerical|;
+    else a report of the worst element of each failing input (raised or False)."""
+    ok = True
+    report = []
+    for i, a, num in results:
+        err = np.abs(a - num)
+        bad = err > atol + rtol * np.abs(num)
+        if bad.any():
+            ok = False
+            worst = np.unravel_index(np.argmax(err - (atol + rtol * np.abs(num))), a.shape)
+            report.append(
+                f"{what} mismatch for {name(i)} (shape {a.shape}): worst element {tuple(int(w) for w in worst)}: "
+                f"analytic {a[worst]:.10g}, numerical {num[worst]:.10g}, abs error {err[worst]:.3g} "
+                f"(allowed {atol + rtol * abs(num[worst]):.3g}); {int(bad.sum())} of {a.size} elements off")
+    if ok:
+        return True
+    if raise_exception:
+        kind = "gradgradcheck" if what.startswith("second") else "gradcheck"
+        raise GradcheckError(f"{kind} failed:\n  " + "\n  ".join(report))
+    return False
+
+
 def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, raise_exception=True, seed=0,
               nondet_tol=0.0):
     """Check the analytic gradient of `fn` at `inputs` against central differences
@@ -81,20 +105,61 @@ def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, raise_exception=True, 
     Returns True; on a mismatch raises GradcheckError (or returns False) with a report
     naming the input, the worst element, both values and the error.
     """
-    ok = True
-    report = []
-    for i, a, num in compare_gradients(fn, inputs, eps, seed):
-        err = np.abs(a - num)
-        bad = err > atol + rtol * np.abs(num)
-        if bad.any():
-            ok = False
-            worst = np.unravel_index(np.argmax(err - (atol + rtol * np.abs(num))), a.shape)
-            report.append(
-                f"Jacobian mismatch for input {i} (shape {a.shape}): worst element {tuple(int(w) for w in worst)}: "
-                f"analytic {a[worst]:.10g}, numerical {num[worst]:.10g}, abs error {err[worst]:.3g} "
-                f"(allowed {atol + rtol * abs(num[worst]):.3g}); {int(bad.sum())} of {a.size} elements off")
-    if ok:
-        return True
-    if raise_exception:
-        raise GradcheckError("gradcheck failed:\n  " + "\n  ".join(report))
-    return False
+    return _verdict(compare_gradients(fn, inputs, eps, seed), atol, rtol, raise_exception,
+                    "Jacobian")
+
+
+def first_order_vjp(fn, inputs, grad_outputs):
+    """The function (x..., u...) -> d<u, fn(x)>/dx of the inputs that require grad,
+    computed with create_graph=True, so that it can be differentiated again. Inputs that
+    do not reach an output give no entry."""
+    n = len(inputs)
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
+
+    def vjp(*args):
+        xs, us = args[:n], list(args[n:])
+        outs = [o for o in _outputs_of(fn, xs) if o.dtype.kind == "f"]
+        if len(outs) != len(us):
+            raise ValueError(f"gradgradcheck: fn returned {len(outs)} floating outputs, "
+                             f"but {len(us)} grad_outputs were given")
+        pairs = [(o, u) for o, u in zip(outs, us) if o.requires_grad]
+        grads = run_backward([o for o, _ in pairs], [u for _, u in pairs], True,
+                             [xs[i] for i in wanted], False, True)
+        return tuple(g for g in grads if g is not None)
+    return vjp
+
+
+def gradgradcheck(fn, inputs, grad_outputs=None, eps=1e-6, atol=1e-5, rtol=1e-3,
+                  raise_exception=True, seed=0):
+    """Check second derivatives: gradcheck of the first-order vector-Jacobian product
+        (x, u) -> d<u, fn(x)>/dx      (built with create_graph=True)
+    with respect to both x and u. Its analytic gradient is a second-order VJP, made of
+    the create-graph rules of every op fn uses; its numerical gradient is central
+    differences of first-order VJPs. u (grad_outputs) defaults to random float64
+    upstream gradients, one per floating output of fn; the check's own upstream
+    gradient is random too. Returns True, or raises GradcheckError (or returns False)
+    naming the input or grad_output, the worst element, both values and the error."""
+    if isinstance(inputs, Tensor):
+        inputs = (inputs,)
+    inputs = tuple(inputs)
+    rng = np.random.default_rng(seed + 1)
+    if grad_outputs is None:
+        outs = [o for o in _outputs_of(fn, inputs) if o.dtype.kind == "f"]
+        grad_outputs = [wrap(rng.standard_normal(o.shape)) for o in outs]
+    elif isinstance(grad_outputs, Tensor):
+        grad_outputs = [grad_outputs]
+    us = []
+    for u in grad_outputs:
+        u = u if isinstance(u, Tensor) else wrap(np.asarray(u, dtype=np.float64))
+        if u.dtype != np.float64:
+            raise TypeError(f"gradgradcheck: grad_outputs must be float64, got {u.dtype}")
+        # a private copy that requires grad: it is perturbed in place like an input
+        us.append(wrap(np.array(u._data, dtype=np.float64)).requires_grad_())
+    n = len(inputs)
+
+    def name(i):
+        return f"input {i}" if i < n else f"grad_output {i - n}"
+
+    results = compare_gradients(first_order_vjp(fn, inputs, us), inputs + tuple(us), eps, seed)
+    return _verdict(results, atol, rtol, raise_exception, "second-order (gradient of gradient)",
+                    name)

@@ -1,7 +1,9 @@
 """mt.autograd: gradients without touching .grad, anomaly detection, gradcheck.
 
 The engine itself (the Node type and the backward traversal) lives in
-`autograd_engine.pxi`; this module is its public face.
+`autograd_engine.pxi`; this package is its public face. Higher-order gradients
+(`create_graph=True`): the rules in `higher_order.py`; Jacobians, Hessians and
+vector products: `mt.autograd.functional`.
 """
 import numpy as np
 
@@ -9,10 +11,10 @@ from microtensor._core import (
     Tensor, Node, run_backward, wrap, needs_graph, attach, no_grad, enable_grad, set_grad_enabled,
     is_grad_enabled, detect_anomaly, AnomalyError, is_anomaly_enabled,
 )
-from microtensor.gradcheck import gradcheck, GradcheckError
+from microtensor.gradcheck import gradcheck, gradgradcheck, GradcheckError
 
-__all__ = ["grad", "backward", "gradcheck", "GradcheckError", "detect_anomaly",
-           "AnomalyError", "Function", "Node", "no_grad", "enable_grad"]
+__all__ = ["grad", "backward", "gradcheck", "gradgradcheck", "GradcheckError", "detect_anomaly",
+           "AnomalyError", "Function", "Node", "no_grad", "enable_grad", "functional"]
 
 
 def _as_list(x):
@@ -23,7 +25,10 @@ def _as_list(x):
     return list(x)
 
 
-def _seed_grads(outputs, grad_outputs):
+def _seed_grads(outputs, grad_outputs, create_graph=False):
+    """One upstream gradient per output: ones for a one-element output, else the given
+    one. Under create_graph a given tensor is kept as it is (it may require grad: the
+    result is then differentiable with respect to it too)."""
     grads = []
     grad_outputs = _as_list(grad_outputs) or [None] * len(outputs)
     if len(grad_outputs) != len(outputs):
@@ -37,6 +42,11 @@ def _seed_grads(outputs, grad_outputs):
                     f"grad can be implicitly created only for scalar outputs; an output has "
                     f"shape {out.shape}, so pass grad_outputs")
             g = np.ones(out.shape, dtype=out.dtype)
+        elif create_graph and isinstance(g, Tensor):
+            if g.shape != out.shape:
+                raise ValueError(f"grad_output of shape {g.shape} for an output of shape {out.shape}")
+            if g.dtype != out.dtype:
+                g = g.to(out.dtype)
         else:
             g = np.asarray(g._data if isinstance(g, Tensor) else g, dtype=out.dtype)
             if g.shape != out.shape:
@@ -48,17 +58,18 @@ def _seed_grads(outputs, grad_outputs):
 def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
          allow_unused=False):
     """The gradients of `outputs` with respect to `inputs`, returned as a tuple.
-    Nothing is accumulated into any `.grad`."""
-    if create_graph:
-        raise NotImplementedError("create_graph=True (higher-order gradients) is not supported")
+    Nothing is accumulated into any `.grad`. With create_graph=True the gradients are
+    built from differentiable ops (they have a grad_fn), so they can be differentiated
+    again; retain_graph then defaults to True."""
     outputs = _as_list(outputs)
-    single = isinstance(inputs, Tensor)
     inputs = _as_list(inputs)
     for t in inputs:
         if not isinstance(t, Tensor) or not t.requires_grad:
             raise RuntimeError("every input passed to autograd.grad must be a tensor that requires grad")
-    grads = _seed_grads(outputs, grad_outputs)
-    result = run_backward(outputs, grads, bool(retain_graph), inputs, False)
+    if retain_graph is None:
+        retain_graph = create_graph
+    grads = _seed_grads(outputs, grad_outputs, create_graph)
+    result = run_backward(outputs, grads, bool(retain_graph), inputs, False, bool(create_graph))
     if not allow_unused:
         for i, g in enumerate(result):
             if g is None:
@@ -67,10 +78,13 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     return tuple(result)
 
 
-def backward(tensors, grad_tensors=None, retain_graph=None):
+def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False):
     """Like calling .backward() on each output, in one traversal."""
     outputs = _as_list(tensors)
-    run_backward(outputs, _seed_grads(outputs, grad_tensors), bool(retain_graph))
+    if retain_graph is None:
+        retain_graph = create_graph
+    run_backward(outputs, _seed_grads(outputs, grad_tensors, create_graph), bool(retain_graph),
+                 None, True, bool(create_graph))
 
 
 class _FunctionNode(Node):
@@ -119,3 +133,6 @@ class Function:
         if needs_graph(inputs):
             attach(out, ctx, inputs)
         return out
+
+
+from microtensor.autograd import functional  # noqa: E402  (it uses grad, defined above)
