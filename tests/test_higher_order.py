@@ -1,0 +1,327 @@
+"""Gradients of gradients: create_graph=True, mt.autograd.grad with differentiable
+grad_outputs, gradgradcheck on every fused op (the core ops are in test_ops.py's table),
+negative tests showing that a wrong double-backward rule fails, and a tiny GPT's
+Hessian-vector product against PyTorch's."""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+import microtensor as mt
+import microtensor._core as C
+import microtensor.nn.functional as F
+from microtensor.autograd import higher_order
+from models import GPT, GPTConfig, RotaryEmbedding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+rng = np.random.default_rng(0)
+
+
+def leaf(*shape, low=None, high=None):
+    a = rng.standard_normal(shape) if low is None else rng.uniform(low, high, shape)
+    return mt.tensor(a, requires_grad=True)
+
+
+def seeded(fn):
+    """fn with the same random draws (dropout masks) on every call."""
+    def run(*args):
+        mt.manual_seed(7)
+        return fn(*args)
+    return run
+
+
+def attention_mask_bool():
+    # (Tq, Tk) = (3, 4): row 1 sees nothing (its output is zeros), row 2 everything
+    return mt.tensor(np.array([[True, False, True, False], [False] * 4, [True] * 4]))
+
+
+def attention_mask_float():
+    m = rng.standard_normal((2, 1, 3, 4))          # broadcast over heads
+    m[0, 0, 1, 2] = -np.inf
+    return mt.tensor(m)
+
+
+# name -> (fn, input makers): every fused op and every option that changes its rule
+FUSED = {
+    "linear": (F.linear, lambda: [leaf(2, 3, 4), leaf(5, 4), leaf(5)]),
+    "linear_no_bias": (F.linear, lambda: [leaf(3, 4), leaf(2, 4)]),
+    "softmax": (lambda x: F.softmax(x, -1), lambda: [leaf(3, 5)]),
+    "softmax_dim0": (lambda x: F.softmax(x, 0), lambda: [leaf(3, 4)]),
+    "log_softmax": (lambda x: F.log_softmax(x, 1), lambda: [leaf(2, 3, 4)]),
+    "cross_entropy": (lambda x: F.cross_entropy(x, mt.tensor([1, 0, 3])), lambda: [leaf(3, 5)]),
+    "cross_entropy_sum_ignore": (
+        lambda x: F.cross_entropy(x, mt.tensor([1, -100, 3, 0]), reduction="sum"),
+        lambda: [leaf(4, 5)]),
+    "cross_entropy_none": (lambda x: F.cross_entropy(x, mt.tensor([2, 0, 1]), reduction="none"),
+                           lambda: [leaf(3, 4)]),
+    "cross_entropy_class_second_smoothing": (
+        lambda x: F.cross_entropy(x, mt.tensor([[1, 0, 3], [2, 2, -100]]), label_smoothing=0.1),
+        lambda: [leaf(2, 4, 3)]),
+    "cross_entropy_btv": (lambda x: F.cross_entropy(x, mt.tensor([[1, 0], [2, 2]])),
+                          lambda: [leaf(2, 2, 3)]),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, (4,), w, b), lambda: [leaf(2, 3, 4), leaf(4), leaf(4)]),
+    "layer_norm_plain_eps": (lambda x: F.layer_norm(x, (2, 3), eps=0.1), lambda: [leaf(2, 2, 3)]),
+    "rms_norm": (lambda x, w: F.rms_norm(x, (4,), w), lambda: [leaf(2, 3, 4), leaf(4)]),
+    "rms_norm_eps": (lambda x: F.rms_norm(x, (3,), eps=0.5), lambda: [leaf(4, 3)]),
+    "gelu": (F.gelu, lambda: [leaf(3, 5)]),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda: [leaf(3, 5)]),
+    "silu": (F.silu, lambda: [leaf(3, 5)]),
+    "embedding": (lambda w: F.embedding(mt.tensor([[1, 0, 1], [3, 3, 2]]), w), lambda: [leaf(4, 3)]),
+    "embedding_padding": (lambda w: F.embedding(mt.tensor([1, 0, 1, 2]), w, padding_idx=1),
+                          lambda: [leaf(3, 2)]),
+    "mse_loss": (F.mse_loss, lambda: [leaf(3, 4), leaf(3, 4)]),
+    "mse_loss_none_broadcast": (lambda a, b: F.mse_loss(a, b, reduction="none"),
+                                lambda: [leaf(3, 4), leaf(4)]),
+    "dropout": (seeded(lambda x: F.dropout(x, 0.4)), lambda: [leaf(3, 4)]),
+    "sdpa": (F.scaled_dot_product_attention, lambda: [leaf(2, 3, 4), leaf(2, 3, 4), leaf(2, 3, 2)]),
+    "sdpa_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.7),
+                    lambda: [leaf(2, 2, 3, 4), leaf(2, 2, 3, 4), leaf(2, 2, 3, 3)]),
+    "sdpa_bool_mask": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask_bool()),
+                       lambda: [leaf(2, 3, 2), leaf(2, 4, 2), leaf(2, 4, 3)]),
+    "sdpa_float_mask": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=MASK),
+                        lambda: [leaf(2, 2, 3, 2), leaf(2, 2, 4, 2), leaf(2, 2, 4, 2)]),
+    "sdpa_broadcast_batch": (F.scaled_dot_product_attention,
+                             lambda: [leaf(2, 2, 3, 2), leaf(1, 2, 3, 2), leaf(2, 1, 3, 2)]),
+    "sdpa_dropout": (seeded(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.3)),
+                     lambda: [leaf(2, 3, 2), leaf(2, 3, 2), leaf(2, 3, 2)]),
+    "rope": (lambda x: ROPE(x, offset=2), lambda: [leaf(2, 3, 4)]),
+}
+MASK = attention_mask_float()
+ROPE = RotaryEmbedding(4)
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_gradgradcheck_fused(name):
+    fn, make = FUSED[name]
+    assert mt.gradgradcheck(fn, make())
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_create_graph_first_order_equals_fused_backward(name):
+    """gradgradcheck checks the rules against themselves one order down; this pins their
+    first derivatives to the fused kernels' (a rule off by a constant would pass there)."""
+    fn, make = FUSED[name]
+    inputs = make()
+    outs = fn(*inputs)
+    outs = [outs] if isinstance(outs, mt.Tensor) else list(outs)
+    # upstream gradients that require grad: every create_graph gradient depends on them
+    upstream = [mt.tensor(rng.standard_normal(o.shape), requires_grad=True) for o in outs]
+    fused = mt.autograd.grad(outs, inputs, upstream, retain_graph=True, allow_unused=True)
+    graphed = mt.autograd.grad(outs, inputs, upstream, create_graph=True, allow_unused=True)
+    for a, b in zip(fused, graphed):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.grad_fn is None and b.grad_fn is not None
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# ---- the engine's create_graph path ------------------------------------------------------
+
+def test_derivatives_of_x_cubed_to_fourth_order():
+    x = mt.tensor([0.5, -1.5, 2.0], requires_grad=True)
+    (d1,) = mt.autograd.grad((x ** 3).sum(), x, create_graph=True)
+    (d2,) = mt.autograd.grad(d1.sum(), x, create_graph=True)
+    (d3,) = mt.autograd.grad(d2.sum(), x, create_graph=True)
+    (d4,) = mt.autograd.grad(d3.sum(), x, allow_unused=True)
+    xs = x.numpy()
+    np.testing.assert_allclose(d1.numpy(), 3 * xs ** 2)
+    np.testing.assert_allclose(d2.numpy(), 6 * xs)
+    np.testing.assert_allclose(d3.numpy(), [6.0, 6.0, 6.0])
+    assert d4 is None or np.all(d4.numpy() == 0)
+
+
+def test_third_order_gradgradcheck():
+    """gradgradcheck of a function that is itself a gradient checks third derivatives."""
+    def first_derivative(x, w):
+        y = F.gelu(x @ w).tanh().sum()
+        return mt.autograd.grad(y, [x, w], create_graph=True)
+    assert mt.gradgradcheck(first_derivative, [leaf(2, 3), leaf(3, 2)])
+
+
+def test_backward_create_graph_keeps_the_graph_of_grad():
+    x = leaf(4)
+    y = (x.tanh() * x).sum()
+    y.backward(create_graph=True)
+    assert x.grad is not None and x.grad.grad_fn is not None
+    first = x.grad.numpy().copy()
+    xs, t = x.numpy(), np.tanh(x.numpy())
+    np.testing.assert_allclose(first, t + xs * (1 - t * t), rtol=1e-12)
+    # a gradient penalty: d/dx sum(g^2) = 2 g g'; .grad accumulates it on top of g
+    (x.grad ** 2).sum().backward()
+    second = 2 * first * (2 * (1 - t * t) - 2 * xs * t * (1 - t * t))
+    np.testing.assert_allclose(x.grad.numpy(), first + second, rtol=1e-10)
+
+
+def test_grad_with_respect_to_grad_outputs():
+    """grad_outputs that require grad: the gradient is differentiable in them too."""
+    x, u = leaf(3, 4), leaf(3, 4)
+    (gx,) = mt.autograd.grad(x.exp(), x, grad_outputs=u, create_graph=True)
+    (du,) = mt.autograd.grad(gx.sum(), u)
+    np.testing.assert_allclose(du.numpy(), np.exp(x.numpy()), rtol=1e-12)
+
+
+def test_create_graph_defaults_to_retaining_the_graph():
+    x = leaf(3)
+    y = (x * x).sum()
+    (g,) = mt.autograd.grad(y, x, create_graph=True)
+    (again,) = mt.autograd.grad(y, x)          # the graph is still there
+    np.testing.assert_allclose(again.numpy(), g.numpy())
+
+
+def test_without_create_graph_gradients_have_no_graph():
+    x, w = leaf(2, 3), leaf(4, 3)
+    (g,) = mt.autograd.grad(F.gelu(F.linear(x, w)).sum(), x)
+    assert g.grad_fn is None and not g.requires_grad
+    F.layer_norm(x, (3,)).sum().backward()
+    assert x.grad.grad_fn is None
+
+
+def test_hooks_see_differentiable_gradients():
+    x = leaf(3)
+    h = x * 2.0
+    seen = []
+    h.register_hook(lambda g: seen.append(g.grad_fn is not None) or g * h)
+    (g,) = mt.autograd.grad((h * h).sum(), x, create_graph=True)
+    assert seen == [True]
+    # dy/dh = 2h, the hook makes it 2h * h; dy/dx = 2 * 2h^2 = 16 x^2
+    np.testing.assert_allclose(g.numpy(), 16 * x.numpy() ** 2, rtol=1e-12)
+    # differentiating g passes through h again, so the hook fires again (as torch's
+    # does): d sum(4h^2)/dh = 8h, times h -> 8h^2, times 2 -> 64 x^2
+    (gg,) = mt.autograd.grad(g.sum(), x)
+    assert seen == [True, False]
+    np.testing.assert_allclose(gg.numpy(), 64 * x.numpy() ** 2, rtol=1e-12)
+
+
+def test_a_model_can_be_differentiated_twice():
+    mt.manual_seed(0)
+    cfg = GPTConfig(vocab_size=7, block_size=5, n_layer=1, n_head=2, n_embd=8)
+    model = GPT(cfg).double()
+    idx, targets = mt.randint(0, 7, (2, 5)), mt.randint(0, 7, (2, 5))
+    params = list(model.parameters())
+    _, loss = model(idx, targets)
+    grads = mt.autograd.grad(loss, params, create_graph=True)
+    assert all(g.grad_fn is not None for g in grads)
+    penalty = sum((g * g).sum() for g in grads)
+    penalty.backward()
+    assert all(p.grad is not None and np.isfinite(p.grad.numpy()).all() for p in params)
+
+
+# ---- negative tests: a wrong double-backward rule fails -----------------------------------
+
+def test_gradgradcheck_catches_a_rule_built_from_saved_arrays(monkeypatch):
+    """The classic bug: a rule that multiplies by the saved forward value (a numpy
+    array, a constant) instead of recomputing it from the live input. Its first
+    derivative is right, so gradcheck passes; the second is missing a term."""
+    def tanh_from_saved(x, g):
+        return C.mul(g, 1 - np.tanh(x.numpy()) ** 2)
+    monkeypatch.setitem(higher_order._UNARY, "tanh_backward", tanh_from_saved)
+    x = leaf(2, 3)
+    assert mt.gradcheck(mt.tanh, [x])
+    (g,) = mt.autograd.grad(x.tanh().sum(), x, create_graph=True)
+    np.testing.assert_allclose(g.numpy(), 1 - np.tanh(x.numpy()) ** 2)   # first order fine
+    with pytest.raises(mt.autograd.GradcheckError, match="second-order .* input 0"):
+        mt.gradgradcheck(mt.tanh, [x])
+    assert mt.gradgradcheck(mt.tanh, [x], raise_exception=False) is False
+
+
+def test_gradgradcheck_catches_a_wrong_fused_rule(monkeypatch):
+    """softmax's rule with the saved output instead of softmax(live x)."""
+    def softmax_from_saved(node, g):
+        y = mt.tensor(np.moveaxis(node.out.reshape(node.moved_shape), -1, node.dim))
+        return (y * (g - (g * y).sum(node.dim, keepdim=True)),)
+    monkeypatch.setitem(higher_order.RULES, F.SoftmaxBackward, softmax_from_saved)
+    with pytest.raises(mt.autograd.GradcheckError, match="input 0"):
+        mt.gradgradcheck(lambda x: F.softmax(x, -1), [leaf(2, 4)])
+
+
+def test_gradgradcheck_catches_a_wrong_gradient_in_grad_outputs(monkeypatch):
+    """A rule that drops g from the graph (it uses g's values as a constant)."""
+    def exp_detached(x, g):
+        return C.mul(g.detach(), C.exp(x))
+    monkeypatch.setitem(higher_order._UNARY, "exp_backward", exp_detached)
+    with pytest.raises(mt.autograd.GradcheckError, match="grad_output 0"):
+        mt.gradgradcheck(mt.exp, [leaf(3)])
+
+
+# ---- once-differentiable and unknown nodes --------------------------------------------------
+
+class Cube(mt.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad_output
+
+
+def test_function_is_once_differentiable():
+    x = leaf(3)
+    (g,) = mt.autograd.grad(Cube.apply(x).sum(), x, create_graph=True)
+    np.testing.assert_allclose(g.numpy(), 3 * x.numpy() ** 2)
+    with pytest.raises(RuntimeError, match="Cube.*numpy arrays.*cannot be differentiated again"):
+        g.sum().backward()
+
+
+def test_a_node_without_a_rule_fails_only_when_differentiated_twice():
+    class Twice(mt.Node):
+        def backward(self, g):
+            return (2 * g,)
+    x = leaf(3)
+    y = mt.autograd.wrap(2 * x.numpy())
+    mt.autograd.attach(y, Twice(), (x,))
+    (g,) = mt.autograd.grad(y.sum(), x, create_graph=True)
+    np.testing.assert_allclose(g.numpy(), [2.0, 2.0, 2.0])
+    with pytest.raises(RuntimeError, match="Twice has no create_graph rule"):
+        mt.autograd.grad((g * x).sum(), x)
+
+
+# ---- a tiny GPT's Hessian-vector product against PyTorch ----------------------------------
+
+def load_torch_gpt():
+    spec = importlib.util.spec_from_file_location("torch_gpt",
+                                                  os.path.join(ROOT, "benchmarks", "torch_gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_gpt_hessian_vector_product_matches_torch():
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch_gpt = load_torch_gpt()
+    mt.manual_seed(3)
+    cfg = GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8)
+    model = GPT(cfg).double()
+    reference = torch_gpt.from_microtensor(model, torch.float64)
+    idx, targets = mt.randint(0, 11, (2, 6)), mt.randint(0, 11, (2, 6))
+    names = [n for n, _ in model.named_parameters()]
+    t_params = dict(reference.named_parameters())
+    assert sorted(names) == sorted(t_params)
+    params = [p for _, p in model.named_parameters()]
+    vs = [rng.standard_normal(p.shape) for p in params]
+
+    # microtensor: H v = d/dp <grad loss, v>
+    _, loss = model(idx, targets)
+    grads = mt.autograd.grad(loss, params, create_graph=True)
+    dot = sum((g * mt.tensor(v)).sum() for g, v in zip(grads, vs))
+    hv = mt.autograd.grad(dot, params)
+
+    # torch (its fused CPU attention has no double backward: the math kernel)
+    with sdpa_kernel(SDPBackend.MATH):
+        _, t_loss = reference(torch.from_numpy(idx.numpy()), torch.from_numpy(targets.numpy()))
+        tp = [t_params[n] for n in names]
+        t_grads = torch.autograd.grad(t_loss, tp, create_graph=True)
+        t_dot = sum((g * torch.from_numpy(v)).sum() for g, v in zip(t_grads, vs))
+        t_hv = torch.autograd.grad(t_dot, tp)
+
+    np.testing.assert_allclose(loss.item(), t_loss.item(), rtol=1e-12)
+    ours = np.concatenate([h.numpy().ravel() for h in hv])
+    theirs = np.concatenate([h.numpy().ravel() for h in t_hv])
+    assert np.linalg.norm(ours - theirs) <= 1e-8 * np.linalg.norm(theirs)
+    for name, a, b in zip(names, hv, t_hv):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8,
+                                   atol=1e-8 * np.abs(theirs).max(), err_msg=name)
