@@ -59,6 +59,14 @@ def setup_threads(n, torch=None, scipy_blas_threads=None):
             pass
 
 
+def available_cpus():
+    """The logical CPUs this process may run on."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
 # ---- timing ----------------------------------------------------------------------
 
 def _helper_threads_cpu_ns():
@@ -237,7 +245,17 @@ def machine_info(threads, torch=None):
         "blas_config": blas[0]["config"] if blas else None,
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
         "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
+        "cpus_available": len(available_cpus()),
     }
+    # the OpenMP settings that change how a waiting thread behaves
+    for var in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DYNAMIC"):
+        if os.environ.get(var) is not None:
+            info[var] = os.environ[var]
+    try:
+        from microtensor.threads import physical_cores
+        info["physical_cores"] = physical_cores()
+    except ImportError:
+        pass
     try:
         info["loadavg"] = os.getloadavg()
     except OSError:
@@ -246,7 +264,11 @@ def machine_info(threads, torch=None):
 
 
 def print_machine(info):
-    print(f"# machine: {info['cpu']}, {info['cores']} cores; threads={info['threads']}; "
+    omp = "".join(f" {v}={info[v]}" for v in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                                "GOMP_SPINCOUNT", "OMP_DYNAMIC") if v in info)
+    print(f"# machine: {info['cpu']}, {info['cores']} logical CPUs "
+          f"({info.get('physical_cores', '?')} physical cores, {info['cpus_available']} "
+          f"available); threads={info['threads']};{omp} "
           f"numpy {info['numpy']} (BLAS kernel {info['blas_corename']}); "
           f"torch {info['torch'] or 'not installed'}; "
           f"OPENBLAS_CORETYPE={info['OPENBLAS_CORETYPE']} OPENBLAS_L2_SIZE={info['OPENBLAS_L2_SIZE']}; "

@@ -22,6 +22,17 @@ forward and twice that backward; elementwise work is not counted).
     python benchmarks/bench_train.py --config tiny,cpu,mid --json out.jsonl
     python benchmarks/bench_train.py --config cpu --memory         # peak RSS per engine
     python benchmarks/bench_train.py --config cpu --profile        # microtensor by op
+    python benchmarks/bench_train.py --config tiny,cpu,mid --threads 1,2,4,8,16 \
+        --rounds 3 --json sweep.jsonl --plot scaling.png           # thread sweep
+
+A sweep (--threads with several counts) runs in one process: each config's two models
+are built once, and every round visits every thread count, both engines at each (1: A B,
+2: A B, ...), so a change of load hits every cell; after a switch of the thread count
+each engine takes one untimed step (none with --warmup 0). It prints the scaling table
+(ms per step of both engines, their ratio, GFLOP/s of matmul work and the config's
+matmul ceiling at that thread count) and draws tokens/s against threads, one panel per
+config (--plot; by default out-bench/scaling_<configs>.png). Thread counts above the
+CPUs this process may run on are skipped, with a note.
 """
 import argparse
 import json
@@ -428,6 +439,218 @@ def profile(name, args, text, torch):
     return result
 
 
+# ---- thread sweep ----------------------------------------------------------------
+
+def parse_threads(text):
+    """'1,2,4' -> [1, 2, 4] (order kept, duplicates dropped); ValueError on anything else."""
+    counts = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--threads takes positive integers separated by commas, got {text!r}")
+        if int(part) not in counts:
+            counts.append(int(part))
+    if not counts:
+        raise ValueError("--threads needs at least one count")
+    return counts
+
+
+def usable_thread_counts(counts, cpus=None):
+    """(kept, skipped): the counts that fit in the CPUs this process may run on."""
+    cpus = len(C.available_cpus()) if cpus is None else cpus
+    return [n for n in counts if n <= cpus], [n for n in counts if n > cpus]
+
+
+def _engine_stats(times, losses, flops, tokens):
+    s = C.summary(times)
+    return {"ms_median": s["median"] * 1e3, "ms_q1": s["q1"] * 1e3, "ms_q3": s["q3"] * 1e3,
+            "ms_min": s["min"] * 1e3, "ms_max": s["max"] * 1e3, "n": s["n"],
+            "tokens_per_s": tokens / s["median"], "gflops": flops / s["median"] / 1e9,
+            "last_loss": losses[-1]}
+
+
+def sweep_config(name, counts, args, text, torch):
+    """One config at every thread count in `counts`: the models are built once; each
+    round visits every count and, at each, times both engines (A B) for its share of the
+    steps. Returns the config's record with one entry per thread count."""
+    cfg = C.CONFIGS[name]
+    data, vocab = encode_corpus(text)
+    steps = args.steps or DEFAULT_STEPS[name]
+    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    batches = make_batches(data, max(1, warmup + steps), cfg["batch_size"],
+                           cfg["block_size"], args.seed)
+    mt_model, mt_step = build_mt(cfg, vocab, args.seed)
+    engines = {"microtensor": mt_step}
+    if torch is not None:
+        _, engines["torch"] = build_torch(torch, mt_model)
+    first = {e: [] for e in engines}   # the first losses each engine computes: same weights,
+    cursor = {e: 0 for e in engines}   # same batches, so they agree across engines
+
+    def run(e):
+        x, y = batches[cursor[e] % len(batches)]
+        cursor[e] += 1
+        t0 = time.perf_counter()
+        loss = engines[e](x, y)
+        dt = time.perf_counter() - t0
+        if len(first[e]) < 3:
+            first[e].append(loss)
+        return dt, loss
+
+    for n in counts:                      # warm-up at every thread count
+        C.setup_threads(n, torch, args.scipy_blas_threads)
+        for e in engines:
+            for _ in range(warmup):
+                run(e)
+    times = {(n, e): [] for n in counts for e in engines}
+    losses = {(n, e): [] for n in counts for e in engines}
+    per_round = max(1, steps // args.rounds)
+    done, current = 0, counts[-1]
+    while done < steps:
+        k = min(per_round, steps - done)
+        for n in counts:
+            if n != current:
+                C.setup_threads(n, torch, args.scipy_blas_threads)
+                current = n
+                if warmup > 0 and len(counts) > 1:  # one untimed step after a switch
+                    for e in engines:
+                        run(e)
+            for e in engines:
+                C.quiesce()
+                for _ in range(k):
+                    dt, loss = run(e)
+                    times[(n, e)].append(dt)
+                    losses[(n, e)].append(loss)
+        done += k
+    flops = C.step_flops(cfg, vocab)
+    tokens = cfg["batch_size"] * cfg["block_size"]
+    result = {"config": name, "cfg": cfg, "vocab_size": vocab, "steps": steps,
+              "warmup": warmup, "rounds": args.rounds, "step_gflop": flops / 1e9,
+              "tokens_per_step": tokens, "params": mt_model.num_parameters(),
+              "first_losses": first, "by_threads": []}
+    for n in counts:
+        entry = {"threads": n, "engines": {
+            e: _engine_stats(times[(n, e)], losses[(n, e)], flops, tokens) for e in engines}}
+        if "torch" in engines:
+            entry["ratio_mt_over_torch"] = (entry["engines"]["microtensor"]["ms_median"] /
+                                            entry["engines"]["torch"]["ms_median"])
+        result["by_threads"].append(entry)
+    if not args.no_ceiling:
+        import bench_matmul
+        for entry in result["by_threads"]:
+            C.setup_threads(entry["threads"], torch, args.scipy_blas_threads)
+            ceiling, _, _ = bench_matmul.step_ceiling(cfg, vocab, torch,
+                                                      repeats=args.ceiling_repeats,
+                                                      min_time=args.ceiling_min_time)
+            entry["matmul_ceiling"] = {
+                lib: {"ms": c[0] * 1e3, "gflops": c[1], "tokens_per_s": tokens / c[0]}
+                for lib, c in ceiling.items()}
+    return result
+
+
+def print_sweep(results):
+    """The long table (one row per config and thread count) and the compact one."""
+    headers = ["config", "threads", "mt ms/step", "mt IQR", "torch ms/step", "torch IQR",
+               "mt/torch", "mt GFLOP/s", "torch GFLOP/s", "ceiling GFLOP/s (numpy / torch)",
+               "mt speed-up", "torch speed-up"]
+    rows = []
+    for r in results:
+        base = r["by_threads"][0]["engines"]
+        for t in r["by_threads"]:
+            m, tt = t["engines"]["microtensor"], t["engines"].get("torch")
+            ceil = t.get("matmul_ceiling", {})
+            rows.append([
+                r["config"], t["threads"], f"{m['ms_median']:.1f}",
+                f"{m['ms_q1']:.1f}-{m['ms_q3']:.1f}",
+                f"{tt['ms_median']:.1f}" if tt else "", f"{tt['ms_q1']:.1f}-{tt['ms_q3']:.1f}" if tt else "",
+                f"{t['ratio_mt_over_torch']:.2f}" if "ratio_mt_over_torch" in t else "",
+                f"{m['gflops']:.1f}", f"{tt['gflops']:.1f}" if tt else "",
+                " / ".join(f"{ceil[lib]['gflops']:.1f}" for lib in ("numpy", "torch") if lib in ceil),
+                f"{base['microtensor']['ms_median'] / m['ms_median']:.2f}x",
+                f"{base['torch']['ms_median'] / tt['ms_median']:.2f}x" if tt else ""])
+    print(C.table(headers, rows))
+    if results and "torch" in results[0]["by_threads"][0]["engines"]:
+        print("\nms per step, microtensor / torch (ratio):\n")
+        counts = [t["threads"] for t in results[0]["by_threads"]]
+        rows = []
+        for i, n in enumerate(counts):
+            row = [n]
+            for r in results:
+                t = r["by_threads"][i]
+                row.append(f"{t['engines']['microtensor']['ms_median']:.1f} / "
+                           f"{t['engines']['torch']['ms_median']:.1f} ({t['ratio_mt_over_torch']:.2f})")
+            rows.append(row)
+        print(C.table(["threads"] + [f"{r['config']} mt/torch ms" for r in results], rows))
+    for r in results:
+        print(f"{r['config']}: {r['step_gflop']:.3f} GFLOP of matmul per step; {r['steps']} timed "
+              f"steps per engine and thread count in {r['rounds']} rounds after {r['warmup']} "
+              f"warm-up; first losses "
+              f"{json.dumps({e: [round(v, 5) for v in ls] for e, ls in r['first_losses'].items()})}")
+
+
+def plot_sweep(results, path, title=""):
+    """tokens/s against threads, one panel per config: both engines (median, IQR bars)
+    and the matmul ceiling (the step's products alone) as lines. Returns the path, or
+    None when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib is not installed: no plot")
+        return None
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
+    style = {"microtensor": dict(color="tab:blue", marker="o"),
+             "torch": dict(color="tab:orange", marker="s")}
+    for ax, r in zip(axes[0], results):
+        counts = [t["threads"] for t in r["by_threads"]]
+        tokens = r["tokens_per_step"]
+        for e in r["by_threads"][0]["engines"]:
+            st = [t["engines"][e] for t in r["by_threads"]]
+            y = [s["tokens_per_s"] for s in st]
+            lo = [yi - tokens / (s["ms_q3"] / 1e3) for yi, s in zip(y, st)]
+            hi = [tokens / (s["ms_q1"] / 1e3) - yi for yi, s in zip(y, st)]
+            ax.errorbar(counts, y, yerr=[lo, hi], capsize=3, label=e, **style[e])
+        for lib, ls, color in (("numpy", "--", "tab:blue"), ("torch", ":", "tab:orange")):
+            if all(lib in t.get("matmul_ceiling", {}) for t in r["by_threads"]):
+                ax.plot(counts, [t["matmul_ceiling"][lib]["tokens_per_s"] for t in r["by_threads"]],
+                        ls, color=color, alpha=0.7,
+                        label=f"matmul ceiling ({'microtensor' if lib == 'numpy' else 'torch'})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts)
+        ax.set_xticklabels([str(n) for n in counts])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("threads")
+        ax.set_title(f"{r['config']} ({r['params'] / 1e6:.2f}M params)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("tokens / s (training step)")
+    axes[0][-1].legend(fontsize=8, loc="best")
+    if title:
+        import textwrap
+        fig.suptitle(textwrap.fill(title, width=55 * len(results)), fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_sweep(names, counts, args, text, torch, info):
+    results = [sweep_config(n, counts, args, text, torch) for n in names]
+    print(f"\n## training step (forward + backward + clip + AdamW), thread sweep "
+          f"{','.join(map(str, counts))}, both engines in this process\n")
+    print_sweep(results)
+    out = {"threads": counts, "results": results}
+    if not args.no_plot:
+        path = args.plot or os.path.join("out-bench", f"scaling_{'_'.join(names)}.png")
+        load = ", ".join(f"{x:.1f}" for x in info.get("loadavg", ()))
+        title = (f"{info['cpu']}, {info['cpus_available']} CPUs, BLAS kernel "
+                 f"{info['blas_corename']}; load average at start {load}")
+        if plot_sweep(results, path, title):
+            print(f"# plot: {path}")
+            out["plot"] = path
+    return out
+
+
 # ---- main ------------------------------------------------------------------------
 
 def main(argv=None):
@@ -435,7 +658,8 @@ def main(argv=None):
     p.add_argument("--config", default="tiny,cpu", help="comma-separated: tiny, cpu, mid")
     p.add_argument("--data", default=None, help="text corpus (default: tinyshakespeare if "
                    "present, else Python's documentation text)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", default="2",
+                   help="thread count, or several separated by commas for a sweep (1,2,4,8,16)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per engine")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per engine first")
     p.add_argument("--rounds", type=int, default=5, help="alternations A B per engine")
@@ -451,6 +675,14 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--torch-ops", action="store_true", help="with --profile: torch.profiler table")
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="sweep: skip the matmul ceiling at each thread count")
+    p.add_argument("--ceiling-repeats", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--ceiling-min-time", type=float, default=0.05, help=argparse.SUPPRESS)
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="sweep: where to draw tokens/s against threads "
+                   "(default out-bench/scaling_<configs>.png)")
+    p.add_argument("--no-plot", action="store_true", help="sweep: draw nothing")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
     p.add_argument("--isolate", action="store_true",
                    help="run each engine in its own child process (rounds alternate "
@@ -458,6 +690,11 @@ def main(argv=None):
     p.add_argument("--child", choices=["microtensor", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--same-init", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        counts = parse_threads(args.threads)
+    except ValueError as e:
+        p.error(str(e))
+    args.threads = counts[0]
 
     if args.child:
         args.config = args.config.split(",")[0]
@@ -467,16 +704,29 @@ def main(argv=None):
     for n in names:
         if n not in C.CONFIGS:
             p.error(f"unknown config {n!r}; choose from {', '.join(C.CONFIGS)}")
+    if len(counts) > 1 and (args.memory or args.profile or args.isolate):
+        p.error("--memory, --profile and --isolate take one thread count")
+    sweep = len(counts) > 1
+    kept, skipped = usable_thread_counts(counts) if sweep else (counts, [])
+    if not kept:
+        p.error(f"no thread count of {','.join(map(str, counts))} fits the "
+                f"{len(C.available_cpus())} CPUs this process may run on")
     torch = None if args.no_torch else C.try_import_torch()
-    C.setup_threads(args.threads, torch, args.scipy_blas_threads)
-    info = C.machine_info(args.threads, torch)
+    C.setup_threads(kept[0], torch, args.scipy_blas_threads)
+    info = C.machine_info(kept if sweep else args.threads, torch)
     info["scipy_blas_threads"] = args.scipy_blas_threads
     C.print_machine(info)
     text, source = C.load_text(args.data)
     print(f"# corpus: {source} ({len(text):,} chars, vocab {len(set(text))})")
     record = {"bench": "train", "machine": info, "corpus": source}
+    if skipped:
+        print(f"# skipped threads {', '.join(map(str, skipped))}: more than the "
+              f"{len(C.available_cpus())} CPUs this process may run on")
 
-    if args.memory:
+    if sweep:
+        record["sweep"] = run_sweep(names, kept, args, text, torch, info)
+        record["sweep"]["skipped_threads"] = skipped
+    elif args.memory:
         record["memory"] = memory(names, args)
     elif args.profile:
         record["profile"] = [profile(n, args, text, torch) for n in names]

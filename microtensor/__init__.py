@@ -58,7 +58,8 @@ from microtensor import autograd
 from microtensor.autograd import gradcheck, gradgradcheck
 from microtensor import nn, optim
 from microtensor import inspect
-from microtensor.threads import set_blas_threads, get_blas_threads, blas_info, set_threads
+from microtensor.threads import (set_blas_threads, get_blas_threads, blas_info, set_threads,
+                                 default_num_threads, physical_cores)
 from microtensor.serialization import save, load
 # mt.distributed: importing it does not import mpi4py (only distributed.init() under MPI does)
 from microtensor import distributed

@@ -10,6 +10,7 @@ libraries mapped into the process (/proc/self/maps), so no extra dependency is n
     set_blas_threads(2)          # numpy's OpenBLAS (numpy's own `@`)
     mt.set_num_threads(2)        # microtensor's kernels and matmuls (OpenMP)
     set_threads(2)               # both at once
+    set_threads()                # both, to default_num_threads(): the physical cores
 """
 import ctypes
 import os
@@ -136,7 +137,87 @@ def blas_info():
     return [b.info() for b in _numpy_first(_loaded_blas())]
 
 
-def set_threads(n):
-    """Set both microtensor's kernel threads and numpy's BLAS threads to n."""
+# ---- the default thread count ------------------------------------------------------
+
+def _allowed_cpus():
+    """The logical CPUs this process may run on (its affinity mask)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+_SYS_CPU = "/sys/devices/system/cpu"
+# (quota file, period file or None when the quota file holds both): cgroup v2, then v1
+_CGROUP_QUOTA = (("/sys/fs/cgroup/cpu.max", None),
+                 ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+
+
+def _cgroup_cpu_limit():
+    """The container's CPU quota rounded up (cgroup v2 cpu.max, v1 cfs quota), or None."""
+    import math
+    for path, period_path in _CGROUP_QUOTA:
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if period_path is not None:
+                with open(period_path) as f:
+                    fields.append(f.read().strip())
+            quota, period = int(fields[0]), int(fields[1])
+        except (OSError, ValueError, IndexError):  # absent, or "max": no quota
+            continue
+        if quota > 0 and period > 0:
+            return max(1, math.ceil(quota / period))
+    return None
+
+
+def physical_cores():
+    """Physical cores among the CPUs this process may run on: SMT siblings of one core
+    (same physical_package_id and core_id in /sys/devices/system/cpu/cpu*/topology)
+    count once. Without that topology (not Linux): psutil's physical count when psutil
+    is installed, else the number of logical CPUs."""
+    cpus = _allowed_cpus()
+    cores = set()
+    for cpu in cpus:
+        topo = f"{_SYS_CPU}/cpu{cpu}/topology/"
+        try:
+            with open(topo + "physical_package_id") as f:
+                package = int(f.read())
+            with open(topo + "core_id") as f:
+                core = int(f.read())
+        except (OSError, ValueError):
+            cores = None
+            break
+        cores.add((package, core))
+    if cores:
+        return len(cores)
+    try:
+        import psutil
+        n = psutil.cpu_count(logical=False)
+        if n:
+            return min(n, len(cpus))
+    except ImportError:
+        pass
+    return max(1, len(cpus))
+
+
+def default_num_threads():
+    """The thread count `set_threads()` uses when given none: OMP_NUM_THREADS when it
+    is set to a positive integer, else the physical cores this process may run on
+    (`physical_cores()`, as PyTorch's default), capped by the container's CPU quota."""
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    n = physical_cores()
+    limit = _cgroup_cpu_limit()
+    return max(1, min(n, limit) if limit else n)
+
+
+def set_threads(n=None):
+    """Set both microtensor's kernel threads and numpy's BLAS threads to n (default:
+    `default_num_threads()`, the physical cores). Returns the count set."""
+    if n is None:
+        n = default_num_threads()
     _core.set_num_threads(int(n))
     set_blas_threads(n)
+    return int(n)

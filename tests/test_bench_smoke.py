@@ -92,6 +92,64 @@ def test_bench_train_runs():
             res["engines"]["torch"]["first_losses"][0], rel=1e-5)
 
 
+@pytest.fixture
+def restore_threads():
+    """Put back the thread counts a benchmark run in this process changes."""
+    import microtensor as mt
+    from microtensor.threads import get_blas_threads, set_blas_threads
+    torch = bench_train.C.try_import_torch()
+    before = (mt.get_num_threads(), get_blas_threads(),
+              torch.get_num_threads() if torch is not None else None)
+    yield
+    mt.set_num_threads(before[0])
+    if before[1] is not None:
+        set_blas_threads(before[1])
+    if torch is not None:
+        torch.set_num_threads(before[2])
+
+
+def test_bench_train_thread_sweep(tmp_path, capsys, restore_threads):
+    # in this process (no second import of torch): a sweep over 1 and 2 threads, and a
+    # count above the CPUs, which is skipped
+    plot, record = tmp_path / "scaling.png", tmp_path / "sweep.jsonl"
+    bench_train.main(["--config", "tiny", "--threads", "1,2,64", "--steps", "1", "--warmup", "0",
+                      "--rounds", "1", "--ceiling-repeats", "1", "--ceiling-min-time", "0",
+                      "--json", str(record), "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert "thread sweep" in out and "mt/torch" in out
+    rec = json.loads(record.read_text().splitlines()[-1])
+    sweep = rec["sweep"]
+    kept = [n for n in (1, 2) if n <= len(os.sched_getaffinity(0))]
+    assert sweep["threads"] == kept and sweep["skipped_threads"] == [64]
+    assert "skipped threads 64" in out
+    (res,) = sweep["results"]
+    assert res["config"] == "tiny" and [t["threads"] for t in res["by_threads"]] == kept
+    for t in res["by_threads"]:
+        mt_res = t["engines"]["microtensor"]
+        assert mt_res["ms_median"] > 0 and mt_res["gflops"] > 0 and mt_res["n"] == 1
+        assert t["matmul_ceiling"]["numpy"]["gflops"] > 0
+        if "torch" in t["engines"]:
+            assert t["ratio_mt_over_torch"] == pytest.approx(
+                mt_res["ms_median"] / t["engines"]["torch"]["ms_median"])
+    if "torch" in res["first_losses"]:
+        assert res["first_losses"]["microtensor"][0] == pytest.approx(
+            res["first_losses"]["torch"][0], rel=1e-5)
+    assert sweep["plot"] == str(plot) and plot.stat().st_size > 1000
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_train_threads_argument():
+    assert bench_train.parse_threads("1,2,4,2") == [1, 2, 4]
+    assert bench_train.parse_threads("3") == [3]
+    for bad in ("0", "1,x", "", "-2"):
+        with pytest.raises(ValueError):
+            bench_train.parse_threads(bad)
+    assert bench_train.usable_thread_counts([1, 2, 4, 8, 16], cpus=4) == ([1, 2, 4], [8, 16])
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_train.py"), "--threads",
+                           "1,2", "--profile"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "one thread count" in proc.stderr
+
+
 def test_bench_train_profile_runs():
     out = run_script("bench_train.py", "--config", "tiny", "--profile", "--profile-steps", "1",
                      "--threads", "1", "--no-torch", "--json")
@@ -155,6 +213,60 @@ def test_threads_helper_sets_blas_threads():
         set_blas_threads(before)
     with pytest.raises(ValueError):
         set_blas_threads(0)
+
+
+def _fake_topology(root, cores):
+    """cpu<i>/topology/{physical_package_id,core_id} under root, one entry per CPU."""
+    for cpu, (package, core) in enumerate(cores):
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+
+
+def test_physical_cores_counts_smt_siblings_once(tmp_path, monkeypatch):
+    from microtensor import threads
+    # two packages, two cores each, two hardware threads per core; core ids repeat
+    # across packages, so (package, core) is what identifies a core
+    _fake_topology(tmp_path, [(p, c) for p in (0, 1) for c in (0, 1) for _ in (0, 1)])
+    monkeypatch.setattr(threads, "_SYS_CPU", str(tmp_path))
+    monkeypatch.setattr(threads, "_allowed_cpus", lambda: list(range(8)))
+    assert threads.physical_cores() == 4
+    # an affinity mask of both siblings of one core, and one thread of another core
+    monkeypatch.setattr(threads, "_allowed_cpus", lambda: [0, 1, 2])
+    assert threads.physical_cores() == 2
+    # no topology: every allowed CPU counts (psutil, when installed, may only lower it)
+    monkeypatch.setattr(threads, "_SYS_CPU", str(tmp_path / "missing"))
+    assert 1 <= threads.physical_cores() <= 3
+
+
+def test_default_num_threads_policy(tmp_path, monkeypatch):
+    from microtensor import threads
+    monkeypatch.setattr(threads, "physical_cores", lambda: 8)
+    quota = tmp_path / "cpu.max"
+    monkeypatch.setattr(threads, "_CGROUP_QUOTA", ((str(quota), None),))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads.default_num_threads() == 8          # no quota file
+    quota.write_text("max 100000\n")
+    assert threads.default_num_threads() == 8          # no quota
+    quota.write_text("250000 100000\n")
+    assert threads.default_num_threads() == 3          # 2.5 CPUs of quota
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert threads.default_num_threads() == 5          # the environment wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert threads.default_num_threads() == 3
+
+
+def test_set_threads_defaults_to_physical_cores():
+    import microtensor as mt
+    from microtensor.threads import default_num_threads, physical_cores, set_threads
+    before = mt.get_num_threads()
+    try:
+        assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+        assert set_threads() == default_num_threads() == mt.get_num_threads()
+        assert set_threads(1) == 1 and mt.get_num_threads() == 1
+    finally:
+        set_threads(before)
 
 
 # ---- the timed step computes the right thing -------------------------------------------------
