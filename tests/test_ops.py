@@ -173,6 +173,45 @@ def test_float32_close_to_float64(name):
     np.testing.assert_allclose(out32.numpy(), out64, rtol=2e-4, atol=2e-5)
 
 
+# ---- second order: every row, and a create_graph rule for every node type --------------
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_gradgradcheck_float64(name):
+    """Gradients of gradients (create_graph=True) against central differences of the
+    first-order ones, with respect to the inputs and the upstream gradient."""
+    fn = OPS[name][0]
+    tensors = as_tensors(make_inputs(name), True)
+    assert mt.gradgradcheck(fn, tensors)
+
+
+def node_types():
+    """Every Node subclass that microtensor and models define (all their modules imported)."""
+    import importlib
+    import pkgutil
+    import models
+    for package in (mt, models):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            importlib.import_module(info.name)
+    found, stack = set(), [mt.Node]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                stack.append(sub)
+    return sorted((c for c in found if c.__module__.split(".")[0] in ("microtensor", "models")),
+                  key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
+
+def test_every_node_type_has_a_create_graph_rule():
+    """A new op's node needs a rule in microtensor.autograd.higher_order (else its
+    gradient cannot be differentiated again: create_graph=True raises on a second pass)."""
+    from microtensor.autograd.higher_order import rule_for
+    types = node_types()
+    assert len(types) >= 30, f"only found {len(types)} node types"
+    missing = [f"{c.__module__}.{c.__qualname__}" for c in types if rule_for(c) is None]
+    assert not missing, f"node types without a create_graph rule: {missing}"
+
+
 # ---- broadcasting, drawn by hypothesis ------------------------------------------------
 
 BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
