@@ -12,8 +12,9 @@
     print(prof.table(steps=3))
 
 Forward: while the profiler is on, the public op functions of microtensor._core (which
-Tensor's operators and methods call) and of microtensor.nn.functional are replaced by
-timing wrappers, also where other microtensor / models modules imported them by name.
+Tensor's operators and methods call) and of the modules registered with `register_ops`
+(microtensor.nn registers nn.functional) are replaced by timing wrappers, also where
+other microtensor / models modules imported them by name.
 Only the outermost op is timed: an op that calls other ops (cross_entropy calling
 log_softmax, say) counts once, with everything it called inside it.
 
@@ -43,6 +44,26 @@ _NOT_OPS = {
 }
 _PUBLIC_F_SKIP = {"Tensor", "Node", "ShapeError", "wrap", "needs_graph", "attach"}
 
+# modules whose own op functions are timed besides _core's: (module, label prefix);
+# a layer above the core registers itself here (the core never imports it)
+_op_modules = []
+_active = None           # the Profiler that is on, if any
+
+
+def register_ops(module, prefix):
+    """Time the public functions defined in `module` too, labelled `prefix + name`
+    (microtensor.nn registers nn.functional as "F.")."""
+    if all(m is not module for m, _ in _op_modules):
+        _op_modules.append((module, prefix))
+
+
+def backward_hook():
+    """The per-node backward hook of the Profiler that is on (None when none is): a tool
+    that puts its own hook into the engine while a profile runs calls through it."""
+    if _active is None or not _active.backward:
+        return None
+    return _active._backward_hook
+
 
 def _is_function(obj):
     return callable(obj) and not isinstance(obj, type) and (
@@ -64,17 +85,13 @@ def _op_functions():
         if getattr(obj, "__module__", "microtensor._core") != "microtensor._core":
             continue
         ops[name] = (_core, name, obj)
-    try:
-        from microtensor.nn import functional as F
-    except ImportError:  # nn not built yet
-        F = None
-    if F is not None:
-        for name, obj in vars(F).items():
+    for module, prefix in _op_modules:
+        for name, obj in vars(module).items():
             if name.startswith("_") or name in _PUBLIC_F_SKIP or not _is_function(obj):
                 continue
-            if getattr(obj, "__module__", None) != F.__name__:
-                continue  # re-exported from _core: wrapped there
-            ops[f"F.{name}"] = (F, name, obj)
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue  # re-exported from elsewhere: wrapped there
+            ops[f"{prefix}{name}"] = (module, name, obj)
     return ops
 
 
@@ -150,6 +167,8 @@ class Profiler:
                     self._patch(module, attr, timed)
         if self.backward:
             _core.set_backward_profiler(self._backward_hook)
+        global _active
+        _active = self
         return self
 
     def _patch(self, module, attr, value):
@@ -157,6 +176,8 @@ class Profiler:
         setattr(module, attr, value)
 
     def __exit__(self, *exc):
+        global _active
+        _active = None
         if self.backward:
             _core.set_backward_profiler(None)
         for module, attr, original in reversed(self._patched):

@@ -31,6 +31,9 @@ from microtensor.nn.losses import (
     BCEWithLogitsLoss, KLDivLoss,
 )
 from microtensor.nn.normalization import BatchNorm1d
+from microtensor import profiler as _profiler
+
+_profiler.register_ops(functional, "F.")   # the profiler times F's fused ops too
 
 __all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU",
