@@ -325,3 +325,27 @@ def test_tiny_gpt_hessian_vector_product_matches_torch():
     for name, a, b in zip(names, hv, t_hv):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8,
                                    atol=1e-8 * np.abs(theirs).max(), err_msg=name)
+
+
+# ---- examples/double_backprop.py: a gradient-norm penalty trains, and matches torch --------
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_double_backprop_trains_and_matches_torch():
+    example = load_example("double_backprop")
+    options = dict(penalty=0.5, steps=20, lr=0.2, hidden=8, n_points=40, log_every=10)
+    ours, history = example.train("microtensor", **options)
+    plain, plain_history = example.train("microtensor", **dict(options, penalty=0.0))
+    # both learn; the penalised run ends with a several times smaller input gradient
+    assert history[-1][1] < 0.6 * history[0][1] and plain_history[-1][1] < 0.6 * history[0][1]
+    assert history[-1][2] < 0.25 * plain_history[-1][2]
+    pytest.importorskip("torch")
+    theirs, t_history = example.train("torch", **options)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose([h[1:] for h in history], [h[1:] for h in t_history], rtol=1e-10)
