@@ -264,8 +264,8 @@ def machine_info(threads, torch=None):
 
 
 def print_machine(info):
-    omp = "".join(f" {v}={info[v]}" for v in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
-                                                "GOMP_SPINCOUNT", "OMP_DYNAMIC") if v in info)
+    omp = "".join(f" {v}={info[v]};" for v in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                                 "GOMP_SPINCOUNT", "OMP_DYNAMIC") if v in info)
     print(f"# machine: {info['cpu']}, {info['cores']} logical CPUs "
           f"({info.get('physical_cores', '?')} physical cores, {info['cpus_available']} "
           f"available); threads={info['threads']};{omp} "
