@@ -15,7 +15,8 @@ bench_train.py. Reported per rank count:
 
     python benchmarks/bench_ddp.py                            # config cpu, 1 and 2 ranks
     python benchmarks/bench_ddp.py --config tiny,cpu --ranks 1,2,4 --steps 20
-    python benchmarks/bench_ddp.py --allreduce --ranks 2      # latency and bandwidth
+    python benchmarks/bench_ddp.py --allreduce --ranks 2      # latency, bandwidth, model
+    python benchmarks/bench_ddp.py --model 5,1.5              # the model for alpha, beta
 
 The parent process starts every measurement with `mpiexec -n N` (the one beside this
 Python first, then PATH) and prints the tables; --json FILE appends the results.
@@ -159,6 +160,105 @@ def allreduce_worker(args):
         print(RESULT + json.dumps(dict(kind="allreduce", ranks=world, rows=rows)), flush=True)
 
 
+# ---- a model of the step time on N machines ---------------------------------------------
+#
+# One rank per machine, each with its batch (weak scaling). A step is the compute time
+# T_c of one rank plus the communication that overlap does not hide. Ring all-reduce of
+# S gradient bytes over N ranks: 2(N-1) steps, each a latency alpha plus S/N bytes over
+# a link of bandwidth beta, once per bucket for the latency:
+#     T_ar(N) = buckets * 2(N-1) * alpha + 2(N-1)/N * S / beta
+# No overlap: T(N) = T_c + T_ar(N). Ideal overlap: backward (~2/3 of T_c) hides it,
+# T(N) = T_c + max(0, T_ar(N) - 2/3 T_c). Efficiency = T_c / T(N): tokens/s of N ranks
+# divided by N times one rank's.
+
+# compute per rank and step at one thread: tiny, cpu and mid are the 1-thread medians of
+# docs/BENCHMARKS.md (quiet machine); example (train_char.py's defaults, vocabulary 103)
+# and gpt2 (GPT-2 small, one 1024-token sequence per rank) come from their matmul FLOPs
+# at the GFLOP/s measured for cpu (79.4) and mid (104.9).
+MODEL_CONFIGS = {
+    "example": dict(n_layer=2, n_embd=128, block_size=32, batch_size=64, vocab=103,
+                    gflops=79.4),
+    "tiny": dict(n_layer=2, n_embd=64, block_size=32, batch_size=16, vocab=65, step_s=6.3e-3),
+    "cpu": dict(n_layer=4, n_embd=128, block_size=64, batch_size=12, vocab=65, step_s=50.0e-3),
+    "mid": dict(n_layer=6, n_embd=384, block_size=256, batch_size=12, vocab=65, step_s=2.077),
+    "gpt2": dict(n_layer=12, n_embd=768, block_size=1024, batch_size=1, vocab=50257,
+                 gflops=104.9),
+}
+# links: this machine's measurement is passed in; the others are typical published
+# figures for MPI over those networks, assumed, not measured here
+NETWORKS = {"10 GbE (assumed)": (50e-6, 1.1e9), "100 Gb/s InfiniBand (assumed)": (3e-6, 11e9)}
+
+
+def gpt_params(c):
+    """nanoGPT's GPT with biases and tied embeddings: wte + wpe + blocks + ln_f."""
+    C, L = c["n_embd"], c["n_layer"]
+    return c["vocab"] * C + c["block_size"] * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def gpt_step_flops(c):
+    """docs/BENCHMARKS.md's count of a step's matrix-product FLOPs."""
+    B, T, C, L, V = c["batch_size"], c["block_size"], c["n_embd"], c["n_layer"], c["vocab"]
+    M = B * T
+    return 3 * (L * (24 * M * C * C + 4 * B * T * T * C) + 2 * M * C * V)
+
+
+def ring_allreduce_s(n, nbytes, alpha, beta, buckets):
+    if n == 1:
+        return 0.0
+    return buckets * 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+
+
+def efficiency(n, step_s, nbytes, alpha, beta, buckets, overlap):
+    comm = ring_allreduce_s(n, nbytes, alpha, beta, buckets)
+    exposed = max(0.0, comm - 2 / 3 * step_s) if overlap else comm
+    return step_s / (step_s + exposed)
+
+
+def bend(step_s, nbytes, alpha, beta, buckets, overlap, level):
+    """The smallest N (up to 2^20) whose efficiency is below `level`, or None."""
+    n = 2
+    while n <= 2 ** 20:
+        if efficiency(n, step_s, nbytes, alpha, beta, buckets, overlap) < level:
+            lo = n // 2 + 1 if n > 2 else 2
+            for m in range(lo, n + 1):       # refine between powers of two
+                if efficiency(m, step_s, nbytes, alpha, beta, buckets, overlap) < level:
+                    return m
+        n *= 2
+    return None
+
+
+def print_model(alpha, beta, label, speedup=1.0):
+    """The table of docs/DISTRIBUTED.md: per config and link, the all-reduce time, the
+    efficiency at 2, 16 and 128 ranks, the plateau the bandwidth term sets (for large
+    N, T_ar -> 2 S / beta + latency), and the N where efficiency falls below 50%
+    (without overlap / with ideal overlap). `speedup` divides every T_c (faster
+    machines, more threads per rank)."""
+    networks = {label: (alpha, beta), **NETWORKS}
+    rows = []
+    for name, c in MODEL_CONFIGS.items():
+        n_params = gpt_params(c)
+        nbytes = 4 * n_params
+        step_s = (c.get("step_s") or gpt_step_flops(c) / (c["gflops"] * 1e9)) / speedup
+        first = 1024 * 1024
+        buckets = 1 + (max(0, nbytes - first) + 25 * 2 ** 20 - 1) // (25 * 2 ** 20)
+        for net, (a, b) in networks.items():
+            def eff(n, overlap=False):
+                return f"{efficiency(n, step_s, nbytes, a, b, buckets, overlap):.0%}"
+
+            def n50(overlap):
+                n = bend(step_s, nbytes, a, b, buckets, overlap, 0.5)
+                return "> 1M" if n is None else f"{n:,}"
+            plateau = step_s / (step_s + 2 * nbytes / b)
+            rows.append([name, f"{n_params / 1e6:.2f}M", f"{nbytes / 1e6:.1f}",
+                         f"{step_s * 1e3:,.0f}", net,
+                         f"{ring_allreduce_s(2, nbytes, a, b, buckets) * 1e3:.2f}",
+                         f"{eff(2)} / {eff(16)} / {eff(128)}", f"{plateau:.0%}",
+                         f"{n50(False)} / {n50(True)}"])
+    print(C.table(["config", "params", "grad MB", "T_c ms", "link", "T_ar(2) ms",
+                   "eff. N=2 / 16 / 128", "bandwidth plateau", "N at 50% (no / ideal overlap)"],
+                  rows))
+
+
 # ---- the parent: launches, tables -----------------------------------------------------
 
 def launch(n, worker_args, mpiexec):
@@ -174,12 +274,15 @@ def launch(n, worker_args, mpiexec):
 
 
 def fit_allreduce(rows, ranks):
-    """Latency alpha (s) from the smallest messages and the ring's bus bandwidth
-    (bytes/s) from the largest: t(n) = alpha + 2(N-1)/N * n / beta."""
-    alpha = float(np.median([r["ddp_us"] for r in rows[:3]])) * 1e-6
-    big = rows[-1]
-    moved = 2 * (ranks - 1) / ranks * big["bytes"]
-    beta = moved / (big["ddp_us"] * 1e-6 - alpha)
+    """The ring model's latency per step alpha (s) and link bandwidth beta (bytes/s):
+    t(n) = 2(N-1) alpha + 2(N-1)/N * n / beta. alpha from the three smallest messages,
+    beta by least squares over the messages of 1 MiB and more."""
+    steps = 2 * (ranks - 1)
+    alpha = float(np.median([r["ddp_us"] for r in rows[:3]])) * 1e-6 / steps
+    big = [r for r in rows if r["bytes"] >= 2 ** 20]
+    moved = np.array([2 * (ranks - 1) / ranks * r["bytes"] for r in big])
+    excess = np.array([r["ddp_us"] * 1e-6 - steps * alpha for r in big])
+    beta = float((moved * moved).sum() / (moved * excess).sum())
     return alpha, beta
 
 
@@ -211,8 +314,9 @@ def print_allreduce_table(result):
                      f"{moved / (r['ddp_us'] * 1e-6) / 1e9:.2f}"])
     print(C.table(["bytes", "Allreduce us", "Iallreduce+poll us", "bus GB/s"], rows))
     alpha, beta = fit_allreduce(result["rows"], n)
-    print(f"fit ({n} ranks): latency alpha = {alpha * 1e6:.1f} us, "
-          f"bus bandwidth beta = {beta / 1e9:.2f} GB/s")
+    print(f"ring model fit ({n} ranks): latency per step alpha = {alpha * 1e6:.1f} us, "
+          f"link bandwidth beta = {beta / 1e9:.2f} GB/s")
+    return alpha, beta
 
 
 def main():
@@ -222,8 +326,16 @@ def main():
     p.add_argument("--steps", type=int, default=None, help="timed steps (default per config)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--bucket_cap_mb", type=float, default=25)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="launches per rank count, alternating; the median is reported")
     p.add_argument("--allreduce", action="store_true",
-                   help="measure MPI all-reduce latency and bandwidth instead")
+                   help="measure MPI all-reduce latency and bandwidth instead, then print "
+                        "the step-time model for N machines")
+    p.add_argument("--model", default=None, metavar="ALPHA_US,BETA_GBS",
+                   help="print only the step-time model for this latency (us) and "
+                        "bandwidth (GB/s), e.g. 5,1.5")
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="with --model/--allreduce: divide every compute time T_c by this")
     p.add_argument("--json", default=None, help="append the results to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -232,6 +344,10 @@ def main():
         (allreduce_worker if args.allreduce else train_worker)(args)
         return
 
+    if args.model:
+        alpha_us, beta_gbs = (float(v) for v in args.model.split(","))
+        print_model(alpha_us * 1e-6, beta_gbs * 1e9, "given", args.speedup)
+        return
     mpiexec = find_mpiexec()
     if mpiexec is None:
         sys.exit("mpiexec not found: pip install 'microtensor[mpi]'")
@@ -241,8 +357,11 @@ def main():
         for n in ranks:
             if n > 1:
                 result = launch(n, ["--allreduce"], mpiexec)
-                print_allreduce_table(result)
-                C.emit_json(result, args.json) if args.json else None
+                alpha, beta = print_allreduce_table(result)
+                if args.json:
+                    C.emit_json(result, args.json)
+        print("\nstep-time model, one rank per machine (see the comments in this script):")
+        print_model(alpha, beta, f"this machine, {n} ranks (measured)", args.speedup)
         return
 
     configs = args.config.split(",")
@@ -251,17 +370,25 @@ def main():
             p.error(f"unknown config {name!r}; choose from {', '.join(C.CONFIGS)}")
     results = []
     for name in configs:
+        # rank counts alternate over the rounds (1 2 1 2 ...): a change of load on this
+        # shared machine then hits all of them; each row is the median round
+        runs = {n: [] for n in ranks}
+        for _ in range(args.rounds):
+            for n in ranks:
+                worker_args = ["--config", name, "--bucket_cap_mb", str(args.bucket_cap_mb)]
+                if args.steps:
+                    worker_args += ["--steps", str(args.steps)]
+                if args.warmup is not None:
+                    worker_args += ["--warmup", str(args.warmup)]
+                result = launch(n, worker_args, mpiexec)
+                runs[n].append(result)
+                print(f"  {name}, {n} rank(s): {result['ms_per_step']:.1f} ms/step "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                if args.json:
+                    C.emit_json(result, args.json)
         for n in ranks:
-            worker_args = ["--config", name, "--bucket_cap_mb", str(args.bucket_cap_mb)]
-            if args.steps:
-                worker_args += ["--steps", str(args.steps)]
-            if args.warmup is not None:
-                worker_args += ["--warmup", str(args.warmup)]
-            result = launch(n, worker_args, mpiexec)
-            results.append(result)
-            print(f"  {name}, {n} rank(s): {result['ms_per_step']:.1f} ms/step", flush=True)
-            if args.json:
-                C.emit_json(result, args.json)
+            ordered = sorted(runs[n], key=lambda r: r["ms_per_step"])
+            results.append(ordered[len(ordered) // 2])
     print_ddp_table(results)
 
 

@@ -250,7 +250,7 @@ def wait(requests, what):
 
 
 def _check_tensor(t, what):
-    from microtensor import Tensor
+    from microtensor._core import Tensor
     if not isinstance(t, Tensor):
         raise TypeError(f"{what} expects a Tensor, got {type(t).__name__}")
     return t.numpy()

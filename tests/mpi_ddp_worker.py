@@ -7,7 +7,8 @@ single process. The model and batch helpers below are imported by the test too, 
 both sides build exactly the same model and the same data.
 
 Scenarios:
-  correctness   primitives, broadcast, gradients, no_sync, a loss curve (one launch)
+  correctness   primitives, broadcast, gradients, no_sync, a loss curve (one launch);
+                with --leaf-hooks, DDP's stand-in for a core without post-accumulate hooks
   stuck         rank 1 never reaches the collective that rank 0 waits in
   die           rank 1 exits abruptly in the middle of training
 """
@@ -109,10 +110,17 @@ def correctness(out_dir):
     report["buckets"] = ddp.stats["buckets"]
     arrays.update({f"init/{n}": v for n, v in params(model).items()})
 
-    # gradients of one batch
+    # gradients of one batch. A probe on the token embeddings' output, the last
+    # non-leaf that backward reaches, counts the buckets already on the wire by then:
+    # more than 0 means communication overlapped the rest of backward
+    def probe(module, args, output):
+        output.register_hook(lambda g: report.__setitem__("buckets_before_last_node",
+                                                          ddp._next_bucket))
+    handle = model.transformer.wte.register_forward_hook(probe)
     x, y = global_batch(0, world)
     _, loss = ddp(mt.from_numpy(rows(x, rank)), mt.from_numpy(rows(y, rank)))
     loss.backward()
+    handle.remove()
     report["started_early"] = ddp.stats["started_early"]
     arrays.update({f"grad/{n}": v for n, v in grads(model).items()})
 
@@ -189,4 +197,8 @@ def die(out_dir):
 
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]
+    if "--leaf-hooks" in sys.argv:
+        # DDP's stand-in for cores without post-accumulate hooks, tested on this core too
+        import microtensor.nn.parallel
+        microtensor.nn.parallel._has_post_accumulate_hooks = lambda: False
     {"correctness": correctness, "stuck": stuck, "die": die}[scenario](out)

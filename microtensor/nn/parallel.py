@@ -195,8 +195,8 @@ class DistributedDataParallel(Module):
         """Without post-accumulate hooks in the core, a gradient hook on the leaf stands
         in for one: it adds the incoming gradient into param.grad itself, reports the
         parameter ready, and hands the engine zeros to add (so nothing is counted twice).
-        NOTE: the engine then calls these hooks only at the end of backward, so the
-        all-reduces start after backward instead of during it (correct, no overlap)."""
+        NOTE: a core that runs leaf hooks only after its traversal gives no overlap this
+        way (correct results, all-reduces after backward)."""
         def hook(grad):
             if not self._armed:
                 return None
