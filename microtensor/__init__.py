@@ -90,11 +90,16 @@ from microtensor.ops_extra import (
     frac, sign, sgn, floor, ceil, trunc, fix, round, clamp_min, clamp_max, float_power,
     xlogy, lerp, addmm, cumsum, cumprod, prod, logcumsumexp, any, all, count_nonzero,
     isclose, allclose, equal, isinf, isposinf, isneginf, logical_xor, is_floating_point,
-    is_nonzero, nonzero, argwhere, unique, bincount, histc, std_mean, var_mean, eye,
-    randn_like, rand_like, randint_like, empty_like, tril_indices, triu_indices,
+    is_nonzero, nonzero, argwhere, unique, bincount, histc, std_mean, var_mean, atan2,
+    arctan2, fmod, nan_to_num, cummax, cummin, median, unique_consecutive,
+)
+from microtensor.ops_creation import (
+    eye, logspace, as_tensor, randn_like, rand_like, randint_like, empty_like, tril_indices,
+    triu_indices, bernoulli, normal, poisson,
 )
 from microtensor.ops_index import (
-    gather, take_along_dim, take, scatter, scatter_add, masked_select, sort, argsort, msort,
+    gather, take_along_dim, take, scatter, scatter_add, index_add, index_fill, tensor_split,
+    rot90, masked_select, sort, argsort, msort,
     topk, kthvalue, flip, fliplr, flipud, roll, repeat_interleave, tile, narrow, select,
     unbind, movedim, moveaxis, swapaxes, swapdims, t, diagonal, diag, trace,
     broadcast_shapes, broadcast_to, broadcast_tensors, atleast_1d, atleast_2d, hstack,
@@ -102,7 +107,9 @@ from microtensor.ops_index import (
 )
 from microtensor.ops_linalg import (
     einsum, mm, bmm, mv, dot, vdot, inner, outer, ger, baddbmm, tensordot, norm, dist, cdist,
+    cross, kron,
 )
+true_divide = div
 from microtensor import linalg, backends, amp
 from microtensor.dialect import (
     set_default_dtype, get_default_dtype, set_printoptions, inference_mode,

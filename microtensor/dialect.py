@@ -141,19 +141,37 @@ def are_deterministic_algorithms_enabled():
 
 # ---- Tensor methods written in Python ------------------------------------------------------
 
+def method_modules():
+    """The modules whose TENSOR_METHODS become Tensor methods."""
+    from microtensor import ops_extra, ops_creation, ops_index, ops_linalg, ops_inplace
+    return (ops_extra, ops_creation, ops_index, ops_linalg, ops_inplace)
+
+
 def register_tensor_methods():
     """Register every TENSOR_METHODS entry of the ops_* modules with the core, so that
     `t.cumsum(0)` calls `ops_extra.cumsum(t, 0)`. A name the compiled Tensor already has
     keeps the core's method."""
-    from microtensor import ops_extra, ops_index, ops_linalg
     register = getattr(_core, "register_tensor_method", None)
     if register is None:
         return []
     done = []
-    for module in (ops_extra, ops_index, ops_linalg):
+    for module in method_modules():
         for name, fn in module.TENSOR_METHODS:
             if name in _core.Tensor.__dict__:
                 continue
             register(name, fn)
             done.append(name)
+    _register_create_graph_rules()
     return done
+
+
+def _register_create_graph_rules():
+    """Rules (for create_graph=True) that sit beside their op rather than in
+    microtensor.autograd.higher_order; a rule registered there wins."""
+    try:
+        from microtensor.autograd import higher_order
+    except ImportError:
+        return
+    from microtensor import ops_extra
+    higher_order.RULES.setdefault("microtensor.ops_extra.Atan2Backward",
+                                  ops_extra.atan2_create_graph_rule)

@@ -191,6 +191,84 @@ def softplus(input, beta=1.0, threshold=20.0):
     return _pointwise("softplus", input, forward, rule)
 
 
+class Atan2Backward(Node):
+    """y = atan2(a, b);  da = g b / (a^2 + b^2),  db = -g a / (a^2 + b^2)"""
+
+    def backward(self, g):
+        a, b = self.a, self.b
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = g / (a * a + b * b)
+        unbroadcast = _core.sum_to_shape
+        da = unbroadcast(r * b, self.a_shape).astype(a.dtype, copy=False) \
+            if self.inputs[0] is not None and self.inputs[0].requires_grad else None
+        db = unbroadcast(-r * a, self.b_shape).astype(a.dtype, copy=False) \
+            if self.inputs[1] is not None and self.inputs[1].requires_grad else None
+        return (da, db)
+
+
+declare_saved(Atan2Backward, 0, 1)
+
+
+def _unbroadcast_tensor(g, shape):
+    """g summed down to `shape` with differentiable ops (for the create_graph rule)."""
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = _core.sum(g, dim=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return _core.sum(g, dim=axes, keepdim=True) if axes else g
+
+
+def atan2_create_graph_rule(node, g):
+    """Atan2Backward's rule from differentiable ops on the live inputs (so it can be
+    differentiated again): da = g b / (a^2 + b^2),  db = -g a / (a^2 + b^2)"""
+    a, b = node.inputs
+    r = _core.div(g, _core.add(_core.mul(a, a), _core.mul(b, b)))
+    da = _unbroadcast_tensor(_core.mul(r, b), node.a_shape) if a.requires_grad else None
+    db = _unbroadcast_tensor(_core.neg(_core.mul(r, a)), node.b_shape) if b.requires_grad else None
+    return (da, db)
+
+
+def atan2(input, other):
+    """The angle of the point (other, input), in (-pi, pi]"""
+    ta, tb = _tensor(input, "atan2"), _tensor(other, "atan2", "other")
+    a, b = _float(ta._data), _float(tb._data)
+    if a.dtype != b.dtype:
+        a, b = a.astype(np.float64), b.astype(np.float64)
+    try:
+        y = np.arctan2(a, b)
+    except ValueError:
+        raise _core.ShapeError(f"atan2: shapes {a.shape} and {b.shape} cannot be broadcast "
+                               "together") from None
+    out = wrap(np.asarray(y))
+    if needs_graph((ta, tb)):
+        node = Atan2Backward()
+        node.a, node.b, node.a_shape, node.b_shape = a, b, a.shape, b.shape
+        attach(out, node, (ta, tb))
+    return out
+
+
+arctan2 = atan2
+
+
+def fmod(input, other):
+    """C's remainder: input - trunc(input / other) * other (the sign of input)"""
+    return _core.sub(input, _core.mul(trunc(_core.div(input, other)), other))
+
+
+def nan_to_num(input, nan=0.0, posinf=None, neginf=None):
+    """NaN, +inf and -inf replaced (by 0 and the dtype's largest / lowest finite values
+    unless given); the gradient passes where the value was finite."""
+    t = _tensor(input, "nan_to_num")
+    if t._data.dtype.kind != "f":
+        return t
+    info = np.finfo(t._data.dtype)
+    posinf = info.max if posinf is None else posinf
+    neginf = info.min if neginf is None else neginf
+    out = _core.where(_core.isnan(t), float(nan), t)
+    out = _core.where(_core.eq(t, math.inf), float(posinf), out)
+    return _core.where(_core.eq(t, -math.inf), float(neginf), out)
+
+
 def clamp_min(input, min):
     return _core.clamp(input, min=min)
 
@@ -313,6 +391,66 @@ def prod(input, dim=None, keepdim=False, dtype=None):
         shape[d] = 1
         out = _core.ones(*shape, dtype=out._data.dtype)
     return out if keepdim else _core.squeeze(out, d)
+
+
+def _cum_extreme(input, dim, op, better):
+    """(values, indices) of the running max / min along dim; values are a gather, so they
+    carry the gradient to the element that holds the extreme (the last one among ties)."""
+    t = _tensor(input, op)
+    d = _dim(dim, t._data.ndim, op)
+    if t._data.ndim == 0:
+        return _core.MaxResult(t, wrap(np.zeros((), np.int64)))
+    a = np.moveaxis(t._data, d, 0)
+    idx = np.zeros(a.shape, dtype=np.int64)
+    best = a[0].copy() if a.shape[0] else a[:0]
+    floating = a.dtype.kind == "f"
+    for i in range(1, a.shape[0]):
+        # NaN wins and stays, as in torch (a later NaN takes over the index)
+        take = np.isnan(a[i]) | (~np.isnan(best) & better(a[i], best)) if floating \
+            else better(a[i], best)
+        idx[i] = np.where(take, i, idx[i - 1])
+        best = np.where(take, a[i], best)
+    idx = np.moveaxis(idx, 0, d)
+    from microtensor.ops_index import gather
+    return _core.MaxResult(gather(t, d, idx), wrap(idx))
+
+
+def cummax(input, dim):
+    return _cum_extreme(input, dim, "cummax", np.greater_equal)
+
+
+def cummin(input, dim):
+    return _cum_extreme(input, dim, "cummin", np.less_equal)
+
+
+def median(input, dim=None, keepdim=False):
+    """The lower median: of all elements (a 0-d tensor), or (values, indices) along dim."""
+    from microtensor.ops_index import kthvalue
+    t = _tensor(input, "median")
+    if dim is None:
+        flat = _core.reshape(t, -1)
+        if flat.shape[0] == 0:
+            return wrap(np.asarray(np.nan, dtype=_float(t._data).dtype))
+        return kthvalue(flat, (flat.shape[0] + 1) // 2, 0).values
+    d = _dim(dim, t._data.ndim, "median")
+    n = t._data.shape[d] if t._data.ndim else 1
+    return kthvalue(t, (n + 1) // 2, d, keepdim)
+
+
+def unique_consecutive(input, return_inverse=False, return_counts=False, dim=None):
+    """Collapse runs of equal consecutive elements (of the flattened tensor)."""
+    t = _tensor(input, "unique_consecutive")
+    if dim is not None:
+        raise NotImplementedError("unique_consecutive(dim=...) is not implemented")
+    a = t._data.reshape(-1)
+    starts = np.ones(len(a), dtype=bool)
+    starts[1:] = a[1:] != a[:-1]
+    out = [wrap(a[starts].copy())]
+    if return_inverse:
+        out.append(wrap((np.cumsum(starts) - 1).reshape(t._data.shape).astype(np.int64)))
+    if return_counts:
+        out.append(wrap(np.diff(np.append(np.flatnonzero(starts), len(a))).astype(np.int64)))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def logcumsumexp(input, dim):
@@ -467,111 +605,6 @@ def var_mean(input, dim=None, keepdim=False, correction=1):
     return _core.var(input, dim, keepdim, correction), _core.mean(input, dim, keepdim)
 
 
-# ---- creation --------------------------------------------------------------------------
-
-def _dtype_or(dtype, default):
-    return default if dtype is None else _core.as_dtype(dtype)
-
-
-def eye(n, m=None, dtype=None, requires_grad=False, device=None):
-    _check_device(device)
-    if m is None:
-        m = n
-    if n < 0 or m < 0:
-        raise ValueError(f"eye: n and m must be non-negative, got {n}, {m}")
-    out = wrap(np.eye(n, m, dtype=_dtype_or(dtype, _default_float())))
-    return out.requires_grad_(True) if requires_grad else out
-
-
-def _default_float():
-    get = getattr(_core, "get_default_dtype", None)
-    return _core.as_dtype(get()) if get is not None else np.dtype(np.float32)
-
-
-def _check_device(device):
-    if device is None:
-        return
-    name = device if isinstance(device, str) else getattr(device, "type", None)
-    if not isinstance(name, str) or name.split(":")[0] != "cpu":
-        raise RuntimeError(f"device {str(device)!r} is not available: microtensor runs on the "
-                           "CPU only")
-
-
-def _like(name, fill):
-    def like(input, dtype=None, requires_grad=False, device=None, memory_format=None):
-        t = _tensor(input, name)
-        _check_device(device)
-        dt = _dtype_or(dtype, t._data.dtype)
-        out = wrap(np.asarray(fill(t._data.shape, dt), dtype=dt))
-        return out.requires_grad_(True) if requires_grad else out
-    like.__name__ = like.__qualname__ = name
-    return like
-
-
-def _random(fn):
-    """randn/rand draw floats; an integer dtype gets them cast (as asked)."""
-    return lambda shape, dt: fn(*shape, dtype=dt if dt.kind == "f" else np.float32)._data
-
-
-randn_like = _like("randn_like", _random(_core.randn))
-rand_like = _like("rand_like", _random(_core.rand))
-empty_like = _like("empty_like", lambda shape, dt: np.zeros(shape, dt))
-
-
-def randint_like(input, low=0, high=None, dtype=None):
-    if high is None:
-        low, high = 0, low
-    t = _tensor(input, "randint_like")
-    return _core.randint(low, high, t._data.shape, dtype=_dtype_or(dtype, t._data.dtype))
-
-
-def _new(fill):
-    def new(self, *size, dtype=None, device=None, requires_grad=False):
-        _check_device(device)
-        if len(size) == 1 and isinstance(size[0], (tuple, list)):
-            size = tuple(size[0])
-        dt = _dtype_or(dtype, self._data.dtype)
-        out = wrap(fill(tuple(int(s) for s in size), dt))
-        return out.requires_grad_(True) if requires_grad else out
-    return new
-
-
-new_zeros = _new(lambda shape, dt: np.zeros(shape, dt))
-new_ones = _new(lambda shape, dt: np.ones(shape, dt))
-new_empty = _new(lambda shape, dt: np.zeros(shape, dt))
-
-
-def new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False):
-    _check_device(device)
-    if isinstance(size, (int, np.integer)):
-        size = (size,)
-    dt = _dtype_or(dtype, self._data.dtype)
-    out = wrap(np.full(tuple(size), fill_value, dtype=dt))
-    return out.requires_grad_(True) if requires_grad else out
-
-
-def new_tensor(self, data, dtype=None, device=None, requires_grad=False):
-    """A copy of `data` with this tensor's dtype unless one is given (as torch's)."""
-    _check_device(device)
-    dt = _dtype_or(dtype, self._data.dtype)
-    out = wrap(np.array(_array(data), dtype=dt))
-    return out.requires_grad_(True) if requires_grad else out
-
-
-def type_as(self, other):
-    return self.to(_tensor(other, "type_as", "other")._data.dtype)
-
-
-def tril_indices(row, col, offset=0, dtype=None):
-    r, c = np.tril_indices(row, offset, col)
-    return wrap(np.stack([r, c]).astype(_dtype_or(dtype, np.dtype(np.int64))))
-
-
-def triu_indices(row, col, offset=0, dtype=None):
-    r, c = np.triu_indices(row, offset, col)
-    return wrap(np.stack([r, c]).astype(_dtype_or(dtype, np.dtype(np.int64))))
-
-
 # ---- registered as Tensor methods (t.name(...) calls fn(t, ...)) -----------------------
 
 TENSOR_METHODS = [
@@ -583,7 +616,8 @@ TENSOR_METHODS = [
         "cumsum", "cumprod", "prod", "logcumsumexp", "all", "count_nonzero", "isclose",
         "allclose", "equal", "isinf", "isposinf", "isneginf", "logical_xor",
         "is_floating_point", "is_nonzero", "nonzero", "argwhere", "unique", "bincount",
-        "histc", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "type_as",
+        "histc", "atan2", "arctan2", "fmod", "nan_to_num", "cummax", "cummin", "median",
+        "unique_consecutive",
     )
 ]
 # rsqrt and square are core methods already; softplus is F.softplus (no Tensor method in

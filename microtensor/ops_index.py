@@ -167,6 +167,38 @@ def scatter_add(input, dim, index, src):
     return _scatter("scatter_add", input, dim, index, src, add=True)
 
 
+def _index_along(index, dim, shape, op):
+    """index (1-D, one entry per slice along dim) spread to `shape`: the scatter index of
+    index_add / index_fill."""
+    idx = _index_array(index, op).reshape(-1)
+    if len(idx) != shape[dim]:
+        raise RuntimeError(f"{op}(): index has {len(idx)} entries but the source has "
+                           f"{shape[dim]} slices along dim {dim}")
+    view = [1] * len(shape)
+    view[dim] = len(idx)
+    return np.broadcast_to(idx.reshape(view), shape)
+
+
+def index_add(input, dim, index, source, alpha=1):
+    """out = input, then out[..., index[i], ...] += alpha * source[..., i, ...] along dim"""
+    t = _tensor(input, "index_add")
+    d = _dim(dim, t._data.ndim, "index_add")
+    src = _core.mul(source, alpha) if alpha != 1 else source
+    return scatter_add(t, d, _index_along(index, d, tuple(src.shape), "index_add"), src)
+
+
+def index_fill(input, dim, index, value):
+    """out = input with every slice index[i] along dim set to value"""
+    t = _tensor(input, "index_fill")
+    d = _dim(dim, t._data.ndim, "index_fill")
+    idx = _index_array(index, "index_fill").reshape(-1)
+    mask = np.zeros(t._data.shape[d], dtype=bool)
+    mask[idx] = True
+    view = [1] * t._data.ndim
+    view[d] = len(mask)
+    return _core.masked_fill(t, wrap(mask.reshape(view)), value)
+
+
 def masked_select(input, mask):
     """The elements of input where mask is True (both broadcast), as a 1-D tensor."""
     t = _tensor(input, "masked_select")
@@ -242,9 +274,12 @@ def kthvalue(input, k, dim=-1, keepdim=False):
 
 # ---- rearranging -----------------------------------------------------------------------
 
-def flip(input, dims):
+def flip(input, *dims):
+    """Reverse the order along dims (a list, or the dims as arguments: t.flip(0, 2))."""
     t = _tensor(input, "flip")
-    dims = _dims(dims if isinstance(dims, (list, tuple)) else [dims], t._data.ndim, "flip")
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = dims[0]
+    dims = _dims(list(dims), t._data.ndim, "flip")
     key = tuple(slice(None, None, -1) if a in dims else slice(None)
                 for a in range(t._data.ndim))
     return _core.getitem(t, key)
@@ -340,6 +375,46 @@ def repeat_interleave(input, repeats=None, dim=None, output_size=None):
             raise ValueError("repeat_interleave(): repeats must be non-negative")
         index = np.repeat(np.arange(n), r)
     return _core.getitem(t, (slice(None),) * d + (index,))
+
+
+def tensor_split(input, indices_or_sections, dim=0):
+    """Split into n nearly equal parts (the first ones one larger), or at the indices."""
+    t = _tensor(input, "tensor_split")
+    d = _dim(dim, t._data.ndim, "tensor_split")
+    n = t._data.shape[d]
+    if isinstance(indices_or_sections, (int, np.integer)):
+        k = int(indices_or_sections)
+        if k <= 0:
+            raise RuntimeError(f"tensor_split: number of sections must be larger than 0, got {k}")
+        sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    else:
+        cuts = [int(i) for i in indices_or_sections]
+        bounds = [0] + cuts + [n]
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        a = builtins.min(a, n)                   # indices past the end give empty parts
+        b = builtins.max(builtins.min(b, n), a)
+        parts.append(_core.getitem(t, (slice(None),) * d + (slice(a, b),)))
+    return tuple(parts)
+
+
+def rot90(input, k=1, dims=(0, 1)):
+    """Rotate by 90 degrees k times in the plane of dims (from the first towards the second)."""
+    t = _tensor(input, "rot90")
+    if len(dims) != 2:
+        raise RuntimeError(f"rot90: expected total rotation dims == 2, got {len(dims)}")
+    d0, d1 = _dim(dims[0], t._data.ndim, "rot90"), _dim(dims[1], t._data.ndim, "rot90")
+    if d0 == d1:
+        raise RuntimeError(f"rot90: rotation dims must differ, got {dims}")
+    k %= 4
+    if k == 1:
+        return _core.transpose(flip(t, [d1]), d0, d1)
+    if k == 2:
+        return flip(t, [d0, d1])
+    if k == 3:
+        return flip(_core.transpose(t, d0, d1), [d1])
+    return t
 
 
 def narrow(input, dim, start, length):
@@ -516,7 +591,8 @@ def meshgrid(*tensors, indexing="ij"):
 
 TENSOR_METHODS = [
     (name, globals()[name]) for name in (
-        "gather", "take_along_dim", "take", "scatter", "scatter_add", "masked_select", "sort",
+        "gather", "take_along_dim", "take", "scatter", "scatter_add", "index_add", "index_fill",
+        "tensor_split", "rot90", "masked_select", "sort",
         "argsort", "msort", "topk", "kthvalue", "flip", "fliplr", "flipud", "roll", "repeat",
         "tile", "repeat_interleave", "narrow", "select", "unbind", "movedim", "moveaxis",
         "swapaxes", "swapdims", "t", "diagonal", "diag", "trace", "broadcast_to",

@@ -125,6 +125,38 @@ def tensordot(a, b, dims=2):
     return _core.reshape(out, *[a.shape[d] for d in free_a], *[b.shape[d] for d in free_b])
 
 
+def cross(input, other, dim=None):
+    """The cross product of 3-vectors along dim (the first dim of size 3 when None)"""
+    a, b = _tensor(input, "cross"), _tensor(other, "cross", "other")
+    shape = np.broadcast_shapes(tuple(a.shape), tuple(b.shape))
+    if dim is None:
+        dim = next((i for i, n in enumerate(shape) if n == 3), None)
+        if dim is None:
+            raise RuntimeError(f"cross: no dimension of size 3 in shape {shape}")
+    d = _dim(dim, len(shape), "cross")
+    if shape[d] != 3:
+        raise RuntimeError(f"cross: dimension {d} does not have size 3 (shape {shape})")
+    a, b = _core.expand(a, *shape), _core.expand(b, *shape)
+    head = (slice(None),) * d
+    ax, ay, az = (_core.getitem(a, head + (i,)) for i in range(3))
+    bx, by, bz = (_core.getitem(b, head + (i,)) for i in range(3))
+    return _core.stack([_core.sub(_core.mul(ay, bz), _core.mul(az, by)),
+                        _core.sub(_core.mul(az, bx), _core.mul(ax, bz)),
+                        _core.sub(_core.mul(ax, by), _core.mul(ay, bx))], d)
+
+
+def kron(input, other):
+    """The Kronecker product: out[i*m + k, ...] = a[i, ...] b[k, ...] on every dim"""
+    a, b = _tensor(input, "kron"), _tensor(other, "kron", "other")
+    n = builtins.max(a.ndim, b.ndim)
+    a = _core.reshape(a, *([1] * (n - a.ndim) + list(a.shape)))
+    b = _core.reshape(b, *([1] * (n - b.ndim) + list(b.shape)))
+    # (a0, 1, a1, 1, ...) * (1, b0, 1, b1, ...) -> (a0 b0, a1 b1, ...)
+    ai = _core.reshape(a, *[v for s in a.shape for v in (s, 1)])
+    bi = _core.reshape(b, *[v for s in b.shape for v in (1, s)])
+    return _core.reshape(_core.mul(ai, bi), *[x * y for x, y in zip(a.shape, b.shape)])
+
+
 # ---- einsum ----------------------------------------------------------------------------
 
 _ELLIPSIS_BASE = 0x2460          # private symbols for the dims an ellipsis covers
@@ -377,4 +409,5 @@ def cdist(x1, x2, p=2.0):
 TENSOR_METHODS = [
     ("mm", mm), ("bmm", bmm), ("mv", mv), ("dot", dot), ("vdot", vdot), ("inner", inner),
     ("outer", outer), ("ger", ger), ("baddbmm", baddbmm), ("norm", norm), ("dist", dist),
+    ("cross", cross), ("kron", kron),
 ]

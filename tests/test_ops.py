@@ -103,6 +103,28 @@ OPS = {
     "index_gather_2d": (lambda x: x[:, mt.tensor([[1, 1], [0, 3]])], lambda x: x[:, [[1, 1], [0, 3]]],
                         [(normal, (2, 4))]),
     "index_mask": (lambda x: x[x > 0], lambda x: x[x > 0], [(away_from_kinks, (3, 4))]),
+    # the wider PyTorch surface (microtensor.ops_*), checked against torch in test_dialect.py
+    "sin": (mt.sin, np.sin, [(normal, (3, 4))]),
+    "log1p": (mt.log1p, np.log1p, [(positive, (3, 4))]),
+    "cumsum": (lambda x: x.cumsum(1), lambda x: np.cumsum(x, 1), [(normal, (3, 4))]),
+    "cumprod": (lambda x: mt.cumprod(x, 0), lambda x: np.cumprod(x, 0), [(normal, (3, 4))]),
+    "gather": (lambda x: mt.gather(x, 1, mt.tensor([[0, 3], [1, 1], [2, 0]])),
+               lambda x: np.take_along_axis(x, np.array([[0, 3], [1, 1], [2, 0]]), 1), [(normal, (3, 4))]),
+    "scatter_add": (lambda x, s: mt.scatter_add(x, 0, mt.tensor([[0, 2, 1, 0], [2, 2, 0, 1]]), s),
+                    lambda x, s: x + np.einsum("ijr,ij->rj", np.eye(3)[[[0, 2, 1, 0], [2, 2, 0, 1]]], s),
+                    [(normal, (3, 4)), (normal, (2, 4))]),
+    "sort_values": (lambda x: mt.sort(x, 1).values, lambda x: np.sort(x, 1), [(distinct, (3, 4))]),
+    "topk_values": (lambda x: x.topk(2).values, lambda x: -np.sort(-x, -1)[:, :2], [(distinct, (3, 4))]),
+    "flip": (lambda x: x.flip(0), lambda x: np.flip(x, 0), [(normal, (3, 4))]),
+    "roll": (lambda x: mt.roll(x, 1, 1), lambda x: np.roll(x, 1, 1), [(normal, (3, 4))]),
+    "repeat": (lambda x: x.repeat(2, 1), lambda x: np.tile(x, (2, 1)), [(normal, (3, 4))]),
+    "diagonal": (lambda x: mt.diagonal(x, 1), lambda x: np.diagonal(x, 1), [(normal, (3, 4))]),
+    "einsum_bmm": (lambda a, b: mt.einsum("bij,bjk->bik", a, b), lambda a, b: np.einsum("bij,bjk->bik", a, b),
+                   [(normal, (2, 3, 4)), (normal, (2, 4, 2))]),
+    "vector_norm": (lambda x: mt.linalg.vector_norm(x, dim=1), lambda x: np.linalg.norm(x, axis=1),
+                    [(normal, (3, 4))]),
+    "pad": (lambda x: mt.nn.functional.pad(x, (1, 2)), lambda x: np.pad(x, ((0, 0), (1, 2))),
+            [(normal, (3, 4))]),
 }
 
 # Every public op of API.md's Operations section, and the table entries that cover it.

@@ -381,12 +381,15 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
                              f"size {tuple(x.shape)}")
         mean = _core.mean(x, dim=dims, keepdim=True)
         var = _core.var(x, dim=dims, keepdim=True, correction=0)
+        # NOTE: out of place, then copy_: the in-place mul_ would turn the Python float into
+        # a float32 array and round a float64 running average
         with _core.no_grad():
             if running_mean is not None:
-                running_mean.mul_(1 - momentum).add_(mean.detach().reshape(-1), alpha=momentum)
+                running_mean.copy_(running_mean * (1 - momentum)
+                                   + mean.detach().reshape(-1) * momentum)
             if running_var is not None:
                 unbiased = var.detach().reshape(-1) * (n / (n - 1))
-                running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+                running_var.copy_(running_var * (1 - momentum) + unbiased * momentum)
     else:
         if running_mean is None or running_var is None:
             raise RuntimeError("batch_norm: running_mean and running_var are needed when not "

@@ -1,7 +1,8 @@
 """BatchNorm1d: normalise each channel over the batch (makemore's favourite layer)."""
 import numpy as np
 
-from microtensor._core import Parameter, wrap
+from microtensor._core import Parameter, wrap, as_dtype
+from microtensor.ops_creation import _check_device
 from microtensor.nn import functional_extra as FX
 from microtensor.nn.module import Module
 
@@ -15,14 +16,18 @@ class BatchNorm1d(Module):
     (momentum 0.1, unbiased variance); eval uses the running ones, as torch does."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, dtype=None):
+                 track_running_stats=True, device=None, dtype=None, *, bias=True):
         super().__init__()
-        dt = np.dtype(dtype) if dtype is not None else np.dtype(np.float32)
+        _check_device(device)
+        dt = np.dtype(as_dtype(dtype)) if dtype is not None else np.dtype(np.float32)
         self.num_features, self.eps, self.momentum = int(num_features), eps, momentum
-        self.affine, self.track_running_stats = affine, track_running_stats
+        self.affine, self.track_running_stats, self.has_bias = affine, track_running_stats, bias
         if affine:
             self.weight = Parameter(np.ones(self.num_features, dtype=dt))
-            self.bias = Parameter(np.zeros(self.num_features, dtype=dt))
+            if bias:
+                self.bias = Parameter(np.zeros(self.num_features, dtype=dt))
+            else:
+                self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -39,12 +44,16 @@ class BatchNorm1d(Module):
                              f"{self.num_features}) or (N, {self.num_features}, L) input, got "
                              f"{tuple(input.shape)}")
         training = self.training or not self.track_running_stats
+        momentum = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
-            self.num_batches_tracked._data[...] += 1
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:           # a cumulative average over the batches seen
+                momentum = 1.0 / float(self.num_batches_tracked.item())
         return FX.batch_norm(input, self.running_mean if self.track_running_stats else None,
                              self.running_var if self.track_running_stats else None,
-                             self.weight, self.bias, training, self.momentum, self.eps)
+                             self.weight, self.bias, training, momentum, self.eps)
 
     def extra_repr(self):
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, track_running_stats={self.track_running_stats}")
+                f"affine={self.affine}, bias={self.has_bias}, "
+                f"track_running_stats={self.track_running_stats}")

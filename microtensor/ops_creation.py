@@ -1,0 +1,208 @@
+"""PyTorch's creation helpers beyond the core's: eye, *_like, Tensor.new_*, as_tensor,
+logspace, index grids, and random sampling (bernoulli, normal, poisson and their in-place
+forms) from the core's generator, so mt.manual_seed makes them reproducible."""
+import numpy as np
+
+import microtensor._core as _core
+from microtensor._core import Tensor, wrap
+from microtensor.ops_extra import _tensor, _array
+
+
+def _dtype_or(dtype, default):
+    return default if dtype is None else np.dtype(_core.as_dtype(dtype))
+
+
+def _default_float():
+    get = getattr(_core, "get_default_float_dtype", None)
+    return np.dtype(_core.as_dtype(get())) if get is not None else np.dtype(np.float32)
+
+
+def _check_device(device):
+    """None or the CPU; any other device is a RuntimeError naming it (the core's rule)."""
+    check = getattr(_core, "check_device", None)
+    if check is not None:
+        check(device)
+        return
+    if device is None:
+        return
+    kind = device if isinstance(device, str) else getattr(device, "type", None)
+    if not isinstance(kind, str) or kind.split(":")[0] != "cpu":
+        raise RuntimeError(f"device {str(device)!r} is not available: microtensor runs on the "
+                           "CPU only")
+
+
+def _leaf(array, requires_grad):
+    out = wrap(array)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def eye(n, m=None, dtype=None, requires_grad=False, device=None):
+    _check_device(device)
+    m = n if m is None else m
+    if n < 0 or m < 0:
+        raise ValueError(f"eye: n and m must be non-negative, got {n}, {m}")
+    return _leaf(np.eye(n, m, dtype=_dtype_or(dtype, _default_float())), requires_grad)
+
+
+def logspace(start, end, steps, base=10.0, dtype=None, requires_grad=False, device=None):
+    _check_device(device)
+    if steps < 0:
+        raise RuntimeError(f"logspace: number of steps must be non-negative, got {steps}")
+    dt = _dtype_or(dtype, _default_float())
+    return _leaf(np.logspace(start, end, steps, base=base).astype(dt), requires_grad)
+
+
+def as_tensor(data, dtype=None, device=None):
+    """A tensor sharing memory with `data` when it is a numpy array (or tensor) of the
+    requested dtype, else a copy (as torch's)."""
+    _check_device(device)
+    if isinstance(data, Tensor):
+        return data if dtype is None else data.to(dtype)
+    if isinstance(data, np.ndarray) and (dtype is None or data.dtype == _dtype_or(dtype, None)):
+        return _core.from_numpy(data)
+    return _core.tensor(data, dtype=dtype)
+
+
+def _like(name, fill):
+    def like(input, dtype=None, requires_grad=False, device=None, memory_format=None):
+        t = _tensor(input, name)
+        _check_device(device)
+        dt = _dtype_or(dtype, t._data.dtype)
+        return _leaf(np.asarray(fill(t._data.shape, dt), dtype=dt), requires_grad)
+    like.__name__ = like.__qualname__ = name
+    return like
+
+
+def _random(fn):
+    """randn/rand draw floats; an integer dtype gets them cast (as asked)."""
+    return lambda shape, dt: fn(*shape, dtype=dt if dt.kind == "f" else np.float32)._data
+
+
+randn_like = _like("randn_like", _random(_core.randn))
+rand_like = _like("rand_like", _random(_core.rand))
+empty_like = _like("empty_like", lambda shape, dt: np.zeros(shape, dt))
+
+
+def randint_like(input, low=0, high=None, dtype=None):
+    if high is None:
+        low, high = 0, low
+    t = _tensor(input, "randint_like")
+    return _core.randint(low, high, t._data.shape, dtype=_dtype_or(dtype, t._data.dtype))
+
+
+def _new(fill):
+    def new(self, *size, dtype=None, device=None, requires_grad=False):
+        _check_device(device)
+        if len(size) == 1 and isinstance(size[0], (tuple, list)):
+            size = tuple(size[0])
+        dt = _dtype_or(dtype, self._data.dtype)
+        return _leaf(fill(tuple(int(s) for s in size), dt), requires_grad)
+    return new
+
+
+new_zeros = _new(lambda shape, dt: np.zeros(shape, dt))
+new_ones = _new(lambda shape, dt: np.ones(shape, dt))
+new_empty = _new(lambda shape, dt: np.zeros(shape, dt))
+
+
+def new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False):
+    _check_device(device)
+    if isinstance(size, (int, np.integer)):
+        size = (size,)
+    dt = _dtype_or(dtype, self._data.dtype)
+    return _leaf(np.full(tuple(size), fill_value, dtype=dt), requires_grad)
+
+
+def new_tensor(self, data, dtype=None, device=None, requires_grad=False):
+    """A copy of `data` with this tensor's dtype unless one is given (as torch's)."""
+    _check_device(device)
+    dt = _dtype_or(dtype, self._data.dtype)
+    return _leaf(np.array(_array(data), dtype=dt), requires_grad)
+
+
+def type_as(self, other):
+    return self.to(_tensor(other, "type_as", "other").dtype)
+
+
+def half(self):
+    return self.to(_core.as_dtype("float16"))
+
+
+def tril_indices(row, col, offset=0, dtype=None, device=None):
+    _check_device(device)
+    r, c = np.tril_indices(row, offset, col)
+    return wrap(np.stack([r, c]).astype(_dtype_or(dtype, np.dtype(np.int64))))
+
+
+def triu_indices(row, col, offset=0, dtype=None, device=None):
+    _check_device(device)
+    r, c = np.triu_indices(row, offset, col)
+    return wrap(np.stack([r, c]).astype(_dtype_or(dtype, np.dtype(np.int64))))
+
+
+# ---- random sampling ----------------------------------------------------------------------
+
+def _generator(generator):
+    if generator is not None:
+        raise NotImplementedError("generator= is not supported; seed with mt.manual_seed")
+    return _core.default_generator()
+
+
+def bernoulli(input, p=None, generator=None):
+    """1 with probability input (or p), else 0, in input's dtype; no gradient."""
+    t = _tensor(input, "bernoulli")
+    probs = t._data if p is None else np.full(t._data.shape, p)
+    if probs.size and ((probs < 0) | (probs > 1) | np.isnan(probs)).any():
+        raise RuntimeError("bernoulli: probabilities must be in [0, 1]")
+    draws = _generator(generator).random(t._data.shape) < probs
+    return wrap(draws.astype(t._data.dtype if t._data.dtype.kind == "f" else np.float32))
+
+
+def normal(mean, std=1.0, size=None, generator=None, dtype=None, requires_grad=False):
+    """Samples of N(mean, std), broadcasting tensor arguments, or of `size` for scalars."""
+    m, s = _array(mean), _array(std)
+    if (s < 0).any():
+        raise RuntimeError("normal: std must be non-negative")
+    shape = tuple(size) if size is not None else np.broadcast_shapes(m.shape, s.shape)
+    dt = _dtype_or(dtype, m.dtype if m.dtype.kind == "f" and m.ndim else _default_float())
+    out = m + s * _generator(generator).standard_normal(shape)
+    return _leaf(np.asarray(out, dtype=dt), requires_grad)
+
+
+def poisson(input, generator=None):
+    t = _tensor(input, "poisson")
+    if (t._data < 0).any():
+        raise RuntimeError("poisson: rates must be non-negative")
+    return wrap(_generator(generator).poisson(t._data).astype(t._data.dtype))
+
+
+def _fill_inplace(op, self, values):
+    """Write sampled values into self (no graph, as the core's normal_ / uniform_)."""
+    return self.copy_(wrap(np.asarray(values, dtype=self._data.dtype)))
+
+
+def bernoulli_(self, p=0.5, generator=None):
+    probs = _array(p)
+    return _fill_inplace("bernoulli_", self,
+                         _generator(generator).random(self._data.shape) < probs)
+
+
+def exponential_(self, lambd=1.0, generator=None):
+    if lambd <= 0:
+        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
+    return _fill_inplace("exponential_", self,
+                         _generator(generator).exponential(1.0 / lambd, self._data.shape))
+
+
+def random_(self, from_=0, to=None, generator=None):
+    if to is None:
+        from_, to = 0, from_ if from_ else 2 ** 24
+    return _fill_inplace("random_", self, _generator(generator).integers(from_, to, self._data.shape))
+
+
+TENSOR_METHODS = [
+    (name, globals()[name]) for name in (
+        "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "type_as", "half",
+        "bernoulli", "bernoulli_", "exponential_", "random_",
+    )
+]
