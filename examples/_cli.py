@@ -17,6 +17,7 @@ line of an example on.
 import argparse
 import math
 import os
+import signal
 import socket
 import sys
 
@@ -129,17 +130,18 @@ def largest_divisor(width, at_most):
 def script(module_name):
     """Call first thing in an example as `_cli.script(__name__)`: when it runs as a
     script, a Ctrl-C that arrives before `run()` takes over (while numpy, matplotlib
-    and microtensor are being imported) exits quietly too."""
+    and microtensor are being imported) exits quietly too.
+
+    NOTE: not by catching KeyboardInterrupt: raised inside an extension module's import
+    (numpy's), it comes out as an ImportError with a traceback. During the imports there
+    is nothing to save, so the signal handler ends the process on the spot."""
     if module_name != "__main__":
         return  # imported (by a test): leave the interpreter's behaviour alone
-    previous = sys.excepthook
 
-    def hook(kind, value, traceback):
-        if issubclass(kind, KeyboardInterrupt):
-            _say_interrupted()
-            os._exit(EXIT_INTERRUPTED)
-        previous(kind, value, traceback)
-    sys.excepthook = hook
+    def exit_now(signum, frame):
+        _say_interrupted()
+        os._exit(EXIT_INTERRUPTED)
+    signal.signal(signal.SIGINT, exit_now)
 
 
 def _say_interrupted():
@@ -153,6 +155,9 @@ def _say_interrupted():
 def run(main):
     """sys.exit(main()), with Ctrl-C -> `prog: interrupted`, status 130, and a reader
     that went away (`python examples/sample.py | head -3`) -> a quiet end."""
+    # from here on a Ctrl-C is a KeyboardInterrupt again, which main() may handle (the
+    # training loops save a checkpoint first)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = main()
     except KeyboardInterrupt:

@@ -26,6 +26,10 @@ from models import (GPT, GPTConfig, MultiHeadAttention,  # noqa: E402
                     SinusoidalPositionalEncoding, LearnedPositionalEmbedding, RotaryEmbedding,
                     FeedForward, TransformerBlock, Encoder, EncoderDecoder)
 
+# CPU seconds of the whole table (one thread, so on an idle core also the wall clock), as
+# measured by docs/regenerate.py, which rewrites this line and the docs that quote it.
+DEFAULT_RUN_SECONDS = 38
+
 # tiny sizes: a central difference costs two forwards per checked element
 B, T, C, NH = 2, 5, 8, 2      # batch, sequence, width, heads (head size 4)
 S = 4                         # context length for cross-attention
@@ -248,7 +252,9 @@ def main(argv=None):
     parser = _cli.ArgumentParser(
         prog="gradcheck_layers.py",
         description=__doc__.split("\n\n")[0] + " The whole table takes about "
-                    "half a minute on one CPU core; it exits with status 1 if a case fails.")
+                    f"{_cli.minutes(DEFAULT_RUN_SECONDS)} on one CPU core (measured: "
+                    f"{DEFAULT_RUN_SECONDS} s of CPU time); it exits with status 1 if a case "
+                    "fails.")
     parser.add_argument("-k", default="", help="only cases whose name contains this "
                                                "(default: every case)")
     parser.add_argument("-v", "--verbose", action="store_true",

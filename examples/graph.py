@@ -17,14 +17,15 @@ import subprocess
 import _cli
 _cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
-import microtensor as mt  # noqa: E402
-from microtensor import inspect as mti  # noqa: E402
+# NOTE: microtensor is imported inside the functions, once the command line has been
+# checked: --help and a bad option answer at once
 
 DEFAULTS = dict(out="out-graph", n_embd=16, n_head=2, seq_len=4, seed=0)
 
 
 def expression_graph():
     """L = sum(tanh(w * x + b)^2): the graph of a tiny neuron."""
+    import microtensor as mt
     x = mt.tensor([0.5, -1.0, 2.0])
     w = mt.tensor([1.0, 0.5, -0.3], requires_grad=True)
     b = mt.tensor(0.1, requires_grad=True)
@@ -35,6 +36,8 @@ def expression_graph():
 
 def block_graph(args, prenorm=True):
     """One TransformerBlock on a (1, T, C) input, with its module calls tracked."""
+    import microtensor as mt
+    from microtensor import inspect as mti
     from models import TransformerBlock
     mt.manual_seed(args.seed)
     block = TransformerBlock(args.n_embd, args.n_head, prenorm=prenorm)
@@ -79,6 +82,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for key, value in DEFAULTS.items():
         setattr(args, key, getattr(args, key, value))
+    from microtensor import inspect as mti
     if args.engine == "dot" and not mti.dot_available():
         _cli.fail(parser.prog, "--engine dot needs Graphviz's `dot` program, which is not on "
                                "PATH; install Graphviz or use --engine matplotlib")

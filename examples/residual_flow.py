@@ -34,8 +34,9 @@ import numpy as np  # noqa: E402
 import microtensor as mt  # noqa: E402
 from microtensor import inspect as mti  # noqa: E402
 
-# Wall-clock seconds of a run with no arguments and of --quick (one thread), as measured
-# by docs/regenerate.py, which rewrites these lines and the docs that quote them.
+# CPU seconds of a run with no arguments and of --quick (one thread, so on an idle core
+# also the wall clock), as measured by docs/regenerate.py, which rewrites these lines and
+# the docs that quote them.
 FULL_RUN_SECONDS = 90
 QUICK_RUN_SECONDS = 45
 
@@ -192,7 +193,8 @@ def experiment_depth(args, plt, train, vocab_size):
           "skip (straight through the additions: dL/dy) + branch (through attention and the "
           "MLP), summed as vectors; the rows under each block split each of its two skip "
           "connections the same way:")
-    print(recorder.table(units=True))
+    split_table = recorder.table(units=True)
+    print(split_table)
 
     paths = []
     for title, pair, file in (
@@ -237,7 +239,8 @@ def experiment_depth(args, plt, train, vocab_size):
                 collapse_block=collapsed[0] if collapsed else None,
                 spread_no_residual=min(off["spread"]), ratio_no_residual=ratio(off["params"]),
                 post_block0_input=post_input_x, post_block0_params=post_param_x,
-                post_params_min=min(post["params"][1:]), post_params_max=max(post["params"][1:]))
+                post_params_min=min(post["params"][1:]), post_params_max=max(post["params"][1:]),
+                split_depth=depth, split_table=split_table)
 
 
 def plot_depth(plt, runs, pair, depths, title, out, file):
@@ -407,7 +410,7 @@ def parse_args(argv=None):
                     "connections: tables on stdout, pictures in --out. Takes about "
                     f"{_cli.minutes(FULL_RUN_SECONDS)} on one CPU core, --quick about "
                     f"{_cli.minutes(QUICK_RUN_SECONDS)} (measured: {FULL_RUN_SECONDS} s and "
-                    f"{QUICK_RUN_SECONDS} s wall clock).")
+                    f"{QUICK_RUN_SECONDS} s of CPU time).")
     parser.add_argument("--out", default=DEFAULTS["out"], help="directory for the PNGs, "
                         f"created if needed (default: {DEFAULTS['out']}/ in the working "
                         "directory; docs/regenerate.py passes --out docs/img)")
@@ -429,6 +432,8 @@ def parse_args(argv=None):
                         default=[], help="experiments to leave out (default: none)")
     parser.add_argument("--seed", type=_cli.seed_int, default=DEFAULTS["seed"],
                         help=f"seed of the weights and the batches (default: {DEFAULTS['seed']})")
+    parser.add_argument("--json", metavar="FILE", help="also write the numbers the sentences "
+                        "quote to FILE, as JSON (docs/regenerate.py reads them; default: none)")
     args = parser.parse_args(argv)
     settings = dict(DEFAULTS, **(QUICK if args.quick else {}))
     for key, value in vars(args).items():
@@ -464,7 +469,12 @@ def study(args):
 
 
 def main(argv=None):
-    study(parse_args(argv))
+    args = parse_args(argv)
+    facts = study(args)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(facts, f, indent=1)
     return 0
 
 

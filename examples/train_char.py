@@ -24,8 +24,9 @@ import time
 import _cli
 _cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
-# Wall-clock seconds of the run with no arguments (one thread, the sample included), as
-# measured by docs/regenerate.py, which rewrites this line and the docs that quote it.
+# CPU seconds of the run with no arguments (one thread, so on an idle core also the wall
+# clock; the final sample included), as measured by docs/regenerate.py, which rewrites
+# this line and the docs that quote it.
 DEFAULT_RUN_SECONDS = 89
 
 # -----------------------------------------------------------------------------
@@ -90,7 +91,7 @@ def build_parser():
         description="Train a character-level GPT with microtensor. The defaults train on "
                     "Python's documentation text in about "
                     f"{_cli.minutes(DEFAULT_RUN_SECONDS)} on one CPU core (measured: "
-                    f"{DEFAULT_RUN_SECONDS} s wall clock, the final sample included). Bad "
+                    f"{DEFAULT_RUN_SECONDS} s of CPU time, the final sample included). Bad "
                     "options end in one line 'error: ...' and exit status 2; a loss that "
                     "becomes NaN or Inf stops the run with status 1 and keeps the last "
                     "good checkpoint; Ctrl-C saves a checkpoint and exits with status 130.",
@@ -164,8 +165,10 @@ def build_parser():
            _cli.nonnegative_int, train)
     option("weight_decay", "AdamW weight decay on 2-D weights (biases and norms get none), "
            ">= 0", _cli.nonnegative_number, train)
-    option("beta1", "AdamW beta1, in [0, 1)", _cli.beta, train)
-    option("beta2", "AdamW beta2, in [0, 1)", _cli.beta, train)
+    option("beta1", "AdamW beta1, the decay rate of the gradient's running average, in "
+           "[0, 1)", _cli.beta, train)
+    option("beta2", "AdamW beta2, the decay rate of the squared gradient's running average, "
+           "in [0, 1)", _cli.beta, train)
     option("grad_clip", "clip the gradient norm to this value; 0 = no clipping",
            _cli.nonnegative_number, train)
 
@@ -207,6 +210,9 @@ def train(argv, cleanup):
 
     def fail(message, status=_cli.EXIT_USAGE):
         _cli.fail(prog, message, status)
+
+    if given.get("force") and given.get("resume"):
+        fail("--force starts afresh and --resume continues: give one of them")
 
     # Threads first: OpenBLAS reads these when numpy is imported (a no-op when main()
     # runs inside a process that already imported numpy; set_blas_threads covers that).
@@ -280,8 +286,6 @@ def train(argv, cleanup):
     if run["min_lr"] > run["lr"]:
         fail(f"--min_lr {run['min_lr']:g} is above --lr {run['lr']:g}: the schedule decays "
              "from lr down to min_lr")
-    if given.get("force") and given.get("resume"):
-        fail("--force starts afresh and --resume continues: give one of them")
     if run["lr"] > 1:
         print(f"note: --lr {run['lr']:g} is far above the usual 1e-4 to 1e-2; if the loss "
               "becomes NaN or Inf the run stops and keeps its last good checkpoint",

@@ -20,8 +20,9 @@ _cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
 import numpy as np  # noqa: E402
 
-# Wall-clock seconds of the run with no arguments (one thread), as measured by
-# docs/regenerate.py, which rewrites this line and the docs that quote it.
+# CPU seconds of the run with no arguments (one thread, so on an idle core also the wall
+# clock), as measured by docs/regenerate.py, which rewrites this line and the docs that
+# quote it.
 DEFAULT_RUN_SECONDS = 38
 
 # -----------------------------------------------------------------------------
@@ -66,12 +67,14 @@ def parse_args(argv=None):
         prog="train_seq2seq.py",
         description=__doc__.split("\n\n")[0] + " With the defaults it reaches 100% "
                     f"exact match in about {_cli.minutes(DEFAULT_RUN_SECONDS)} on one CPU "
-                    f"core (measured: {DEFAULT_RUN_SECONDS} s wall clock).")
+                    f"core (measured: {DEFAULT_RUN_SECONDS} s of CPU time).")
     for name, (value, kind, help_text) in DEFAULTS.items():
         parser.add_argument(f"--{name}", type=kind, default=value, metavar=name.upper(),
                             help=f"{help_text} (default: {value})")
     parser.add_argument("--prenorm", action="store_true",
                         help="pre-norm blocks instead of the 2017 post-norm (default: post-norm)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results to FILE, as "
+                        "JSON (docs/regenerate.py reads them; default: none)")
     args = parser.parse_args(argv)
     if args.min_len > args.max_len:
         _cli.fail(parser.prog, f"--min_len {args.min_len} is above --max_len {args.max_len}")
@@ -135,6 +138,10 @@ def exact_match(model, strings, max_len, batch_size=250):
 def main(argv=None):
     args = parse_args(argv)
     results = train(args)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     return 0 if results["test_acc"] >= 0.99 else 1
 
 
@@ -221,6 +228,7 @@ def train(args):
         decoded = "".join(str(t - FIRST_DIGIT) for t in out.numpy()[0, 1:] if t >= FIRST_DIGIT)
         print(f"  {''.join(map(str, digits)):>{args.max_len}} -> {decoded}")
     return dict(test_acc=test_acc, longest_acc=longest_acc, n_longest=len(longest),
+                max_len=args.max_len,
                 val_acc=val_acc, steps=step, train_seconds=train_time,
                 n_test=len(test), parameters=model.num_parameters())
 
