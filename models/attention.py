@@ -3,7 +3,6 @@ import numpy as np
 
 import microtensor as mt
 from microtensor import nn
-from microtensor._core import wrap
 from microtensor.nn import functional as F
 
 from models.config import check_heads
@@ -40,7 +39,7 @@ class KVCache:
 
 def causal_mask_with_past(T, T_past):
     """(T, T_past + T) bool: new query i may see every cached key and the new keys up to i."""
-    return wrap(np.tri(T, T_past + T, T_past, dtype=bool))
+    return mt.from_numpy(np.tri(T, T_past + T, T_past, dtype=bool))
 
 
 class MultiHeadAttention(nn.Module):

@@ -10,7 +10,8 @@ import numpy as np
 
 import microtensor as mt
 from microtensor import nn
-from microtensor._core import Node, wrap, needs_graph, attach, ShapeError
+from microtensor.nn import functional as F
+from microtensor import ShapeError
 
 
 def _check_length(T, max_len, what):
@@ -64,37 +65,8 @@ class SinusoidalPositionalEncoding(nn.Module):
 #
 # RoPE treats the head dims as d/2 pairs (x_i, x_{i+d/2}) and rotates pair i at position
 # t by the angle t * base^(-2i/d). A dot product of two rotated vectors then depends only
-# on the distance between their positions. Written as one op because as primitives it is
-# eight (two slices, a negation, a cat, two products, a sum, ...) on both q and k of
-# every layer:
-#     y = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
-# rotate_half is the linear map R = [[0, -I], [I, 0]], whose transpose is
-# R^T = [[0, I], [-I, 0]], i.e. R^T [u1, u2] = [u2, -u1]; hence
-#     dx = g * cos + R^T (g * sin)
-
-def rope_rotate(x, cos, sin):
-    """y = x*cos + [-x2, x1]*sin   (x1, x2 the two halves of the last dim)"""
-    half = x.shape[-1] // 2
-    y = x * cos
-    y[..., :half] -= x[..., half:] * sin[..., :half]
-    y[..., half:] += x[..., :half] * sin[..., half:]
-    return y
-
-
-def rope_rotate_backward(grad_output, cos, sin):
-    """dx = g*cos + [g2, -g1]*sin  (R^T applied to g*sin)"""
-    half = grad_output.shape[-1] // 2
-    gs = grad_output * sin
-    dinp = grad_output * cos
-    dinp[..., :half] += gs[..., half:]
-    dinp[..., half:] -= gs[..., :half]
-    return dinp
-
-
-class RopeBackward(Node):
-    def backward(self, grad_output):
-        return (rope_rotate_backward(grad_output, self.cos, self.sin),)
-
+# on the distance between their positions. The rotation is one op with its own backward
+# rule, F.rotary_embedding (microtensor/nn/rope.py); this module builds its tables.
 
 class RotaryEmbedding(nn.Module):
     """y = rope(x, offset): rotate each position t of x (..., T, head_dim) by (offset + t) * freq."""
@@ -131,9 +103,4 @@ class RotaryEmbedding(nn.Module):
                              f"dim is {hd} (shape {x.shape})")
         cos, sin = self._tables(offset + T, x.dtype)
         cos, sin = cos[offset:offset + T], sin[offset:offset + T]  # (T, hd), broadcast over leading dims
-        out = wrap(rope_rotate(x._data, cos, sin))
-        if needs_graph((x,)):
-            node = RopeBackward()
-            node.cos, node.sin = cos, sin
-            attach(out, node, (x,))
-        return out
+        return F.rotary_embedding(x, cos, sin)

@@ -56,8 +56,9 @@ def test_gradcheck(name, build, one_thread):
 
 def test_gradcheck_catches_a_wrong_rope_backward(monkeypatch):
     # the transpose of rotate_half is what makes the rule right; drop it and the check fails
-    monkeypatch.setattr(positional, "rope_rotate_backward",
-                        lambda g, cos, sin: positional.rope_rotate(g, cos, sin))
+    from microtensor.nn import rope as rope_op
+    monkeypatch.setattr(rope_op, "rope_rotate_backward",
+                        lambda g, cos, sin: rope_op.rope_rotate(g, cos, sin))
     rope = RotaryEmbedding(4)
     x = mt.randn(1, 3, 4, dtype=mt.float64, requires_grad=True)
     assert not mt.gradcheck(lambda x: rope(x, offset=1), [x], raise_exception=False)

@@ -641,9 +641,9 @@ def _attention(node, g):
     return _through_primitives(forward, node.inputs, g)
 
 
-# ---- fused ops elsewhere (models/positional.py) ---------------------------------------
+# ---- fused ops elsewhere (microtensor/nn/rope.py) -------------------------------------
 
-@register("models.positional.RopeBackward")
+@register("microtensor.nn.rope.RopeBackward")
 def _rope(node, g):
     """y = x cos + R x sin;  dx = g cos + R^T (g sin),  R^T [u1, u2] = [u2, -u1]"""
     half = g.shape[-1] // 2

@@ -792,3 +792,4 @@ _core.register_softmax(softmax, log_softmax)
 
 # pad, one_hot, the other losses and activations, normalize, batch_norm
 from microtensor.nn.functional_extra import *  # noqa: E402,F401,F403
+from microtensor.nn.rope import rotary_embedding  # noqa: E402,F401

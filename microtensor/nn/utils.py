@@ -5,6 +5,7 @@ import numpy as np
 
 from microtensor import _core
 from microtensor._core import Tensor, wrap
+from microtensor._grads import zero_grads  # noqa: F401  (Module.zero_grad reads it here)
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
@@ -13,18 +14,6 @@ def _grads(parameters):
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     return [p._grad for p in parameters if p._grad is not None]
-
-
-def zero_grads(parameters, set_to_none=True):
-    """Forget the gradients of `parameters`: drop them (default) or fill them with zeros.
-    Module.zero_grad and Optimizer.zero_grad both come here."""
-    for p in parameters:
-        if p._grad is None:
-            continue
-        if set_to_none:
-            p._grad = None
-        else:
-            p._grad._data[...] = 0
 
 
 def _sum_of_squares(a, num_threads):

@@ -20,7 +20,7 @@ from numbers import Number
 import numpy as np
 
 from microtensor._core import Tensor, enable_grad, get_num_threads, wrap
-from microtensor.nn.utils import zero_grads
+from microtensor._grads import zero_grads
 
 
 class _RequiredParameter:

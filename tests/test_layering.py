@@ -1,0 +1,210 @@
+"""Layers point one way: engine -> nn -> models -> examples.
+
+Every import in microtensor/, models/ and examples/ is read (the Python files with
+`ast`, the Cython files line by line, function-level imports included) and each arrow
+must point to the same layer or one below:
+
+    0 engine    microtensor's core (_core and its .pxi files, the Cython kernels),
+                autograd, gradcheck, serialization, threads, profiler, optim, the op
+                modules (ops_*), dtypes, dialect, amp, cuda, backends, linalg,
+                distributed, _grads, inspect (instruments built on the engine's hooks)
+    1 nn        microtensor.nn, and the package facade `microtensor` (its __init__ may
+                import nn; so importing the facade counts as importing nn), coverage
+    2 models    models/ (public APIs only: nothing named with a leading underscore)
+    3 examples  examples/ (and its helpers _cli, chardata)
+"""
+import ast
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE, NN, MODELS, EXAMPLES = 0, 1, 2, 3
+LAYER_NAMES = {ENGINE: "engine", NN: "nn", MODELS: "models", EXAMPLES: "examples"}
+
+# microtensor.<first component> -> layer; everything under microtensor must be listed
+# (except private modules and the op modules, ops_*: those belong to the engine)
+MICROTENSOR = {
+    "_core": ENGINE, "_blas": ENGINE, "_fused": ENGINE, "_fused_avx2": ENGINE,
+    "_fused_attention": ENGINE, "_fused_attention_avx2": ENGINE, "_grads": ENGINE,
+    "amp": ENGINE, "autograd": ENGINE, "backends": ENGINE, "cuda": ENGINE,
+    "dialect": ENGINE, "distributed": ENGINE, "dtypes": ENGINE, "gradcheck": ENGINE,
+    "inspect": ENGINE, "linalg": ENGINE, "ops_extra": ENGINE, "ops_index": ENGINE,
+    "ops_linalg": ENGINE, "optim": ENGINE, "profiler": ENGINE, "serialization": ENGINE,
+    "threads": ENGINE,
+    "nn": NN, "coverage": NN,
+}
+# the files `include`d into an extension belong to it
+INCLUDED_IN = {"autograd_engine": "_core", "tensor": "_core", "ops_pointwise": "_core",
+               "ops_reduce": "_core", "ops_shape": "_core", "kernels": "_core",
+               "errors": "_core", "_fused_math": "_fused"}
+
+# Arrows that still point up, each to be removed when its import is turned around (the
+# test fails when one of them is gone, so the list only ever shrinks).
+KNOWN_UPWARD = {
+    # the create-graph rules of nn.functional's fused ops live in autograd
+    ("microtensor.autograd.higher_order", "microtensor.nn.functional"),
+}
+
+SOURCE_SUFFIXES = (".py", ".pyx", ".pxi", ".pxd")
+
+
+def module_name(path):
+    rel = os.path.relpath(path, ROOT)
+    parts = rel.rsplit(".", 1)[0].split(os.sep)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    if parts[0] == "microtensor" and len(parts) == 2 and parts[1] in INCLUDED_IN:
+        parts[1] = INCLUDED_IN[parts[1]]
+    if parts[0] == "examples" and len(parts) == 2:
+        return "examples." + parts[1]
+    return ".".join(parts)
+
+
+def source_files():
+    for top in ("microtensor", "models", "examples"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = [d for d in dirnames if not d.startswith((".", "__"))]
+            for name in sorted(filenames):
+                if name.endswith(SOURCE_SUFFIXES):
+                    yield os.path.join(dirpath, name)
+
+
+def known_modules():
+    """Every importable name of the three trees (packages and modules)."""
+    names = set()
+    for path in source_files():
+        name = module_name(path)
+        parts = name.split(".")
+        names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    names.update({"_cli", "chardata"})
+    return names
+
+
+def imports_of(path):
+    """[(imported dotted name, line)] of one file, every import statement in it."""
+    text = open(path, encoding="utf-8").read()
+    found = []
+    if path.endswith(".py"):
+        package = module_name(path)
+        if not path.endswith("__init__.py"):
+            package = package.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, ast.Import):
+                found += [(a.name, node.lineno) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                found += [(f"{base}.{a.name}", node.lineno) for a in node.names]
+    else:
+        pattern = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s+\(?([\w, ]+)|c?import\s+([\w.]+))")
+        for lineno, line in enumerate(text.splitlines(), 1):
+            m = pattern.match(line)
+            if m is None:
+                continue
+            if m.group(3):
+                found.append((m.group(3), lineno))
+            else:
+                found += [(f"{m.group(1)}.{n.strip()}", lineno)
+                          for n in m.group(2).split(",") if n.strip()]
+    return found
+
+
+def resolve(name, known):
+    """The longest prefix of `name` that is one of ours (`from a import b` may import
+    module a.b or a name of a), or None for third-party modules."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in known:
+            return candidate
+    return None
+
+
+def layer(module):
+    parts = module.split(".")
+    if parts[0] == "microtensor":
+        if len(parts) == 1:
+            return NN                        # the facade imports nn
+        if parts[1] not in MICROTENSOR and parts[1].startswith(("_", "ops_")):
+            return ENGINE                    # the core's extensions, helpers and op modules
+        if parts[1] not in MICROTENSOR:
+            raise AssertionError(f"{module}: not placed in a layer; add it to MICROTENSOR "
+                                 "in tests/test_layering.py")
+        return MICROTENSOR[parts[1]]
+    if parts[0] == "models":
+        return MODELS
+    if parts[0] in ("examples", "_cli", "chardata"):
+        return EXAMPLES
+    raise AssertionError(f"{module}: no layer")
+
+
+def arrows():
+    known = known_modules()
+    out = []
+    for path in source_files():
+        source = module_name(path)
+        for name, lineno in imports_of(path):
+            target = resolve(name, known)
+            if target is not None and target != source:
+                out.append((source, target, name, f"{os.path.relpath(path, ROOT)}:{lineno}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_arrows():
+    return arrows()
+
+
+def test_every_module_has_a_layer(all_arrows):
+    for path in source_files():
+        layer(module_name(path))
+
+
+def test_no_arrow_points_up(all_arrows):
+    upward = [(s, t, where) for s, t, _, where in all_arrows
+              if layer(t) > layer(s) and (s, t) not in KNOWN_UPWARD]
+    message = "\n".join(f"{where}: {s} ({LAYER_NAMES[layer(s)]}) imports {t} "
+                        f"({LAYER_NAMES[layer(t)]})" for s, t, where in upward)
+    assert not upward, "imports pointing up a layer:\n" + message
+
+
+def test_the_known_upward_arrows_are_still_there(all_arrows):
+    # when one is turned around, take it off KNOWN_UPWARD
+    present = {(s, t) for s, t, _, _ in all_arrows}
+    assert KNOWN_UPWARD <= present, f"gone, remove from KNOWN_UPWARD: {KNOWN_UPWARD - present}"
+
+
+def test_optim_imports_only_the_engine(all_arrows):
+    bad = [(s, t, where) for s, t, _, where in all_arrows
+           if s.startswith("microtensor.optim") and layer(t) != ENGINE]
+    assert not bad, bad
+
+
+def test_models_and_examples_use_public_names_only(all_arrows):
+    private = [(s, name, where) for s, t, name, where in all_arrows
+               if layer(s) >= MODELS and t.split(".")[0] == "microtensor"
+               and any(part.startswith("_") for part in name.split(".")[1:])]
+    assert not private, "private microtensor names used above nn:\n" + "\n".join(
+        f"{where}: {s} imports {name}" for s, name, where in private)
+
+
+def test_the_reader_sees_every_kind_of_import(tmp_path):
+    # the reader itself: relative, function-level, `from a import b` of a module, Cython
+    mod = tmp_path / "m.py"
+    mod.write_text("def f():\n    from microtensor.nn import functional\n"
+                   "import models.gpt as g\n")
+    assert sorted(n for n, _ in imports_of(str(mod))) == ["microtensor.nn.functional", "models.gpt"]
+    pyx = tmp_path / "k.pyx"
+    pyx.write_text("from scipy.linalg.cython_blas cimport sgemm, dgemm\n"
+                   "from microtensor._blas import pin\ncimport numpy\n")
+    names = [n for n, _ in imports_of(str(pyx))]
+    assert names == ["scipy.linalg.cython_blas.sgemm", "scipy.linalg.cython_blas.dgemm",
+                     "microtensor._blas.pin", "numpy"]
+    known = known_modules()
+    assert resolve("microtensor.nn.functional.softmax", known) == "microtensor.nn.functional"
+    assert resolve("microtensor.Tensor", known) == "microtensor"
+    assert layer("microtensor") == NN and layer("microtensor.optim.sgd") == ENGINE
