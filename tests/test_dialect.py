@@ -495,6 +495,22 @@ def test_no_grad_functions_match_torch():
             raise AssertionError(f"case {k}: {ours!r} vs {theirs!r}") from e
 
 
+def test_gumbel_softmax():
+    logits = mt.tensor(normal((4, 5)), requires_grad=True)
+    soft = F.gumbel_softmax(logits, tau=0.5)
+    np.testing.assert_allclose(soft.sum(-1).detach().numpy(), 1.0, rtol=1e-12)
+    hard = F.gumbel_softmax(logits, hard=True)
+    assert set(np.unique(hard.detach().numpy())) <= {0.0, 1.0}
+    np.testing.assert_array_equal(hard.detach().numpy().sum(-1), 1.0)
+    (hard * mt.tensor(normal((4, 5)))).sum().backward()   # the soft sample's gradient
+    assert logits.grad is not None and np.abs(logits.grad.numpy()).sum() > 0
+    # the noise is Gumbel: over many draws the argmax follows softmax(logits)
+    mt.manual_seed(1)
+    p = np.array([0.1, 0.2, 0.7])
+    draws = F.gumbel_softmax(mt.tensor(np.log(np.tile(p, (4000, 1)))), hard=True).numpy()
+    np.testing.assert_allclose(draws.mean(0), p, atol=0.03)
+
+
 def test_inplace_forms():
     x = normal((3, 4))
     cases = [
@@ -768,6 +784,10 @@ SCHEDULES = {
         o, [L.LinearLR(o, 0.1, 1.0, 5), L.CosineAnnealingLR(o, T_max=15, eta_min=0.01)], [5]),
     "SequentialLR_three": lambda L, o: L.SequentialLR(
         o, [L.ConstantLR(o, 0.5, 3), L.ExponentialLR(o, 0.9), L.StepLR(o, 3, 0.5)], [4, 10]),
+    "CyclicLR_triangular2": lambda L, o: L.CyclicLR(o, 0.01, 0.1, step_size_up=3,
+                                                    step_size_down=5, mode="triangular2"),
+    "CyclicLR_exp_range": lambda L, o: L.CyclicLR(o, [0.01], 0.1, step_size_up=4,
+                                                  mode="exp_range", gamma=0.97),
     "ChainedScheduler": lambda L, o: L.ChainedScheduler([L.ConstantLR(o, 0.5, 3),
                                                          L.ExponentialLR(o, 0.9)]),
 }

@@ -20,7 +20,7 @@ __all__ = [
     "smooth_l1_loss", "huber_loss", "kl_div", "normalize", "softplus", "leaky_relu", "elu",
     "selu", "celu", "relu6", "hardtanh", "hardsigmoid", "hardswish", "mish", "logsigmoid",
     "softsign", "softmin", "tanhshrink", "glu", "cosine_similarity", "pairwise_distance",
-    "batch_norm",
+    "batch_norm", "gumbel_softmax",
 ]
 
 
@@ -342,6 +342,21 @@ def glu(input, dim=-1):
                            f"{input.shape[d]}")
     a, b = _core.chunk(input, 2, d)
     return _core.mul(a, _core.sigmoid(b))
+
+
+def gumbel_softmax(logits, tau=1.0, hard=False, eps=1e-10, dim=-1):
+    """softmax((logits + g) / tau) with Gumbel noise g = -log(E), E ~ Exp(1); with hard,
+    the one-hot argmax in forward and the soft gradient in backward (straight through)"""
+    noise = -np.log(_core.default_generator().exponential(1.0, tuple(logits.shape)))
+    y_soft = _core.softmax(_core.div(_core.add(logits, wrap(noise.astype(logits._data.dtype))),
+                                     tau), dim)
+    if not hard:
+        return y_soft
+    d = _dim(dim, y_soft.ndim, "gumbel_softmax")
+    index = np.expand_dims(np.argmax(y_soft._data, axis=d), d)
+    y_hard = np.zeros(y_soft.shape, dtype=y_soft._data.dtype)
+    np.put_along_axis(y_hard, index, 1.0, axis=d)
+    return _core.add(_core.sub(wrap(y_hard), y_soft.detach()), y_soft)
 
 
 # ---- distances and normalisation -------------------------------------------------------

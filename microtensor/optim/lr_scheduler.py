@@ -1,6 +1,6 @@
 """Learning-rate schedules with torch's values: LambdaLR, MultiplicativeLR, StepLR,
 MultiStepLR, ConstantLR, LinearLR, ExponentialLR, PolynomialLR, CosineAnnealingLR,
-CosineAnnealingWarmRestarts, OneCycleLR, SequentialLR, ChainedScheduler,
+CosineAnnealingWarmRestarts, OneCycleLR, CyclicLR, SequentialLR, ChainedScheduler,
 ReduceLROnPlateau.
 
 A scheduler sets `group["lr"]` of every param group of its optimizer; call
@@ -399,6 +399,78 @@ class OneCycleLR(LRScheduler):
                 begin = end
             lrs.append(lr)
         return lrs
+
+
+class CyclicLR(LRScheduler):
+    """The lr goes base_lr -> max_lr over step_size_up steps and back over step_size_down,
+    the swing scaled per cycle ('triangular': 1, 'triangular2': halved each cycle) or per
+    step ('exp_range': gamma ** t); the momentum (or beta1) moves the opposite way."""
+
+    def __init__(self, optimizer, base_lr, max_lr, step_size_up=2000, step_size_down=None,
+                 mode="triangular", gamma=1.0, scale_fn=None, scale_mode="cycle",
+                 cycle_momentum=True, base_momentum=0.8, max_momentum=0.9, last_epoch=-1):
+        groups = optimizer.param_groups
+        per_group = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * len(groups)  # noqa: E731
+        base_lrs = per_group(base_lr)
+        if last_epoch == -1:
+            for lr, group in zip(base_lrs, groups):
+                group["lr"] = lr
+        self.max_lrs = per_group(max_lr)
+        up = float(step_size_up)
+        down = float(step_size_down) if step_size_down is not None else up
+        self.total_size, self.step_ratio = up + down, up / (up + down)
+        if mode not in ("triangular", "triangular2", "exp_range") and scale_fn is None:
+            raise ValueError("mode is invalid and scale_fn is None")
+        self.mode, self.gamma, self._scale_fn_custom = mode, gamma, scale_fn
+        self.scale_mode = scale_mode if scale_fn is not None else \
+            ("iterations" if mode == "exp_range" else "cycle")
+        self.cycle_momentum = cycle_momentum
+        if cycle_momentum:
+            if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
+                raise ValueError("optimizer must support momentum or beta1 with "
+                                 "`cycle_momentum` option enabled")
+            self.use_beta1 = "betas" in optimizer.defaults
+            self.base_momentums = per_group(base_momentum)
+            self.max_momentums = per_group(max_momentum)
+            if last_epoch == -1:
+                for m, b, group in zip(self.max_momentums, self.base_momentums, groups):
+                    self._set_momentum(group, m)
+                    group["max_momentum"], group["base_momentum"] = m, b
+        super().__init__(optimizer, last_epoch)
+        self.base_lrs = base_lrs
+
+    def _set_momentum(self, group, value):
+        if self.use_beta1:
+            group["betas"] = (value, *tuple(group["betas"])[1:])
+        else:
+            group["momentum"] = value
+
+    def scale_fn(self, x):
+        if self._scale_fn_custom is not None:
+            return self._scale_fn_custom(x)
+        if self.mode == "triangular":
+            return 1.0
+        if self.mode == "triangular2":
+            return 1 / (2.0 ** (x - 1))
+        return self.gamma ** x
+
+    def get_lr(self):
+        cycle = math.floor(1 + self.last_epoch / self.total_size)
+        x = 1.0 + self.last_epoch / self.total_size - cycle        # position in the cycle
+        if x <= self.step_ratio:
+            scale_factor = x / self.step_ratio
+        else:
+            scale_factor = (x - 1) / (self.step_ratio - 1)
+        scale = self.scale_fn(cycle if self.scale_mode == "cycle" else self.last_epoch)
+        lrs = [b + (m - b) * scale_factor * scale for b, m in zip(self.base_lrs, self.max_lrs)]
+        if self.cycle_momentum:
+            for group, b, m in zip(self.optimizer.param_groups, self.base_momentums,
+                                   self.max_momentums):
+                self._set_momentum(group, m - (m - b) * scale_factor * scale)
+        return lrs
+
+    def state_dict(self):
+        return {k: v for k, v in super().state_dict().items() if k != "_scale_fn_custom"}
 
 
 class SequentialLR(LRScheduler):
