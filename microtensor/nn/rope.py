@@ -16,7 +16,8 @@ The tables are constants: no gradient flows into them.
 """
 import numpy as np
 
-from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError, declare_saved
+from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.ops_extra import declare_saved
 
 __all__ = ["rotary_embedding"]
 
