@@ -346,7 +346,8 @@ def main():
 
     if args.model:
         alpha_us, beta_gbs = (float(v) for v in args.model.split(","))
-        print_model(alpha_us * 1e-6, beta_gbs * 1e9, "given", args.speedup)
+        print_model(alpha_us * 1e-6, beta_gbs * 1e9, f"{alpha_us:g} us, {beta_gbs:g} GB/s",
+                    args.speedup)
         return
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -361,7 +362,8 @@ def main():
                 if args.json:
                     C.emit_json(result, args.json)
         print("\nstep-time model, one rank per machine (see the comments in this script):")
-        print_model(alpha, beta, f"this machine, {n} ranks (measured)", args.speedup)
+        print_model(alpha, beta, f"this machine ({alpha * 1e6:.1f} us, {beta / 1e9:.2f} GB/s)",
+                    args.speedup)
         return
 
     configs = args.config.split(",")

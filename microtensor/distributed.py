@@ -220,10 +220,10 @@ def wait(requests, what):
 
     NOTE: polling is what moves the message along: without a progress thread, MPI
     copies the next piece of a large message only inside an MPI call, on both sides.
-    So the first 2 s poll without pause (a rank that naps between tests throttles its
-    peer too: 1 ms naps made a 0.4 MB all-reduce 50x slower), as MPI's own blocking
-    calls do; after that a rank that waits for a slow peer (rank 0 writing a
-    checkpoint) naps up to 1 ms per test and leaves the CPU to others."""
+    So the first 2 s poll without pause, as MPI's own blocking calls do (a rank that
+    naps between tests throttles its peer too); after that a rank that waits for a
+    slow peer (rank 0 writing a checkpoint) naps up to 1 ms per test and leaves the
+    CPU to others."""
     MPI = _state.MPI
     timeout = get_timeout()
     start = time.perf_counter()
