@@ -5,6 +5,7 @@ language level 3, bounds checks and negative-index wraparound off, C division.
 Set MICROTENSOR_DEBUG=1 to turn bounds checks back on (slower, for debugging a kernel).
 Set MICROTENSOR_NATIVE=1 to compile with -march=native (faster, not portable).
 OpenMP is used when the compiler accepts it; otherwise the build is serial and says so.
+Set MICROTENSOR_BUILD_ONLY=microtensor._core (comma-separated) to rebuild some extensions only.
 """
 import os
 import shutil
@@ -57,9 +58,12 @@ directives = {
     "nonecheck": False,
 }
 
+only = [n for n in os.environ.get("MICROTENSOR_BUILD_ONLY", "").split(",") if n]
 extensions = []
 for pyx in sorted(glob("microtensor/**/*.pyx", recursive=True)):
     name = pyx[:-4].replace(os.sep, ".").replace("/", ".")
+    if only and name not in only:
+        continue
     extensions.append(Extension(
         name, [pyx],
         include_dirs=[np.get_include()],

@@ -54,6 +54,10 @@ from microtensor._core import (
     contiguous, split, chunk, cat, stack, tril, triu, getitem, index_select, matmul,
     set_num_threads, get_num_threads,
 )
+from microtensor.dtypes import (
+    dtype, device, float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8,
+    bool_ as bool, finfo, iinfo,
+)
 from microtensor import autograd
 from microtensor.autograd import gradcheck, gradgradcheck
 from microtensor import nn, optim
@@ -70,7 +74,10 @@ divide = div
 multiply = mul
 float = float32
 double = float64
+half = float16
 long = int64
+int = int32
+short = int16
 
 __version__ = "0.1.0"
 
@@ -110,7 +117,7 @@ from microtensor.ops_linalg import (
     cross, kron,
 )
 true_divide = div
-from microtensor import linalg, backends, amp
+from microtensor import linalg, backends, amp, cuda
 from microtensor.dialect import (
     set_default_dtype, get_default_dtype, set_printoptions, inference_mode,
     is_inference_mode_enabled, set_float32_matmul_precision, get_float32_matmul_precision,

@@ -5,7 +5,9 @@ cdef class Node:
     cdef public tuple inputs         # the tensors this op read; grads flow back to them
     cdef public bint freed           # set after backward without retain_graph
     cdef public list _hooks          # hooks registered on the (non-leaf) output
-    cdef public object _retained     # the output tensor, when it called retain_grad()
+    cdef public object _retained     # weakref to the output tensor, when it called retain_grad()
+    cdef public tuple _saved_versions  # (counter, version, input index or -1, ...) per saved tensor
+    cdef public int _saves           # which tensors the rule reads: bit i = input i, bit 30 = output
     cdef public object _trace        # where the op was created (anomaly mode only)
     cdef object __weakref__
     cpdef tuple backward(self, object grad_output)
@@ -18,8 +20,15 @@ cdef class Tensor:
     cdef public bint _requires_grad
     cdef public Node _node           # the op that made this tensor (None on leaves)
     cdef public list _hooks          # hooks of a leaf
+    cdef public list _post_hooks     # leaf hooks that run after .grad is accumulated
+    cdef public object _vc           # the version counter (shared with views), made on demand
     cdef object __weakref__
 
     @staticmethod
     cdef Tensor _wrap(object array)
     cdef _check_inplace(self)
+    cpdef _bump_version(self)
+
+
+cdef class _VersionCounter:
+    cdef public long value

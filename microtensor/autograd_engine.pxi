@@ -5,11 +5,40 @@
 # array, or None) per input. The traversal below walks the graph in topological order
 # with an explicit work list, never recursion, so a chain of 20,000 ops is fine.
 
+import threading as _threading
 import traceback as _traceback
 
-cdef bint _grad_enabled = True
-cdef bint _anomaly_enabled = False
+# Grad mode and anomaly mode are per thread, as in PyTorch: `no_grad` in an evaluation
+# thread must not switch gradients off in a training thread. They live in C thread-local
+# storage, so the check every op makes (`_grad_on()`) stays one load. A new thread starts
+# with gradients on (the stored flag is "disabled", and thread-locals start at zero).
+cdef extern from *:
+    """
+    #if defined(_MSC_VER)
+    #define MT_THREAD_LOCAL __declspec(thread)
+    #else
+    #define MT_THREAD_LOCAL __thread
+    #endif
+    static MT_THREAD_LOCAL int mt_grad_disabled = 0;
+    static MT_THREAD_LOCAL int mt_anomaly_on = 0;
+    static inline int mt_grad_on(void) { return !mt_grad_disabled; }
+    static inline void mt_set_grad_on(int on) { mt_grad_disabled = !on; }
+    static inline int mt_anomaly(void) { return mt_anomaly_on; }
+    static inline void mt_set_anomaly(int on) { mt_anomaly_on = on; }
+    """
+    bint mt_grad_on() nogil
+    void mt_set_grad_on(bint on) nogil
+    bint mt_anomaly() nogil
+    void mt_set_anomaly(bint on) nogil
+
+
+cdef inline bint _grad_on():
+    return mt_grad_on()
+
+
 cdef object _backward_profiler = None   # set by microtensor.profiler while profiling
+cdef object _create_graph_rule = None   # set by microtensor.autograd.higher_order
+cdef object _accumulate_lock = _threading.Lock()
 
 
 def set_backward_profiler(fn):
@@ -17,6 +46,13 @@ def set_backward_profiler(fn):
     (fn must call node.backward itself); pass None to switch it off."""
     global _backward_profiler
     _backward_profiler = fn
+
+
+def register_create_graph_rule(fn):
+    """fn(node, grad_output: Tensor) -> tuple of Tensors (or None), one per input, built
+    from differentiable ops: the backward pass that `create_graph=True` runs."""
+    global _create_graph_rule
+    _create_graph_rule = fn
 
 
 cdef class Node:
@@ -28,6 +64,8 @@ cdef class Node:
         self._hooks = None
         self._retained = None
         self._trace = None
+        self._saved_versions = None
+        self._saves = _SAVES_UNSET
 
     cpdef tuple backward(self, object grad_output):
         raise NotImplementedError(f"{type(self).__name__} has no backward rule")
@@ -99,7 +137,7 @@ cdef class SliceGrad:
 
 cdef inline bint _needs_graph(tuple inputs):
     """True when grad mode is on and some input requires grad."""
-    if not _grad_enabled:
+    if not mt_grad_on():
         return False
     for t in inputs:
         if t is not None and (<Tensor>t)._requires_grad:
@@ -107,37 +145,111 @@ cdef inline bint _needs_graph(tuple inputs):
     return False
 
 
+# ---- version counters: an in-place change to a tensor that backward needs is an error --
+#
+# Every tensor can carry a counter that its in-place ops bump (views share their base's
+# counter). When an op is recorded, the versions of the tensors its rule will read are
+# noted (which ones: the rule's `saved` mask); backward compares them before it runs the
+# rule. This is the one place the check hooks into: `_attach`, which every op calls.
+
+cdef int SAVES_OUTPUT = 1 << 30
+cdef int _SAVES_UNSET = -2
+cdef dict _SAVED_MASKS = {}     # Node class -> mask (core rules declare theirs below them)
+
+
+cdef class _VersionCounter:
+    """How many in-place changes a tensor (and every view of it) has had."""
+    pass
+
+
+cdef inline _VersionCounter _counter(Tensor t):
+    if t._vc is None:
+        t._vc = _VersionCounter.__new__(_VersionCounter)
+    return <_VersionCounter>t._vc
+
+
+cdef inline void _bump(Tensor t):
+    cdef _VersionCounter vc = _counter(t)
+    vc.value += 1
+
+
+cdef inline void _share_version(Tensor view, Tensor base):
+    """`view` shares `base`'s storage, so an in-place change to one is a change to both."""
+    view._vc = _counter(base)
+
+
+cdef int _saved_mask(Node node):
+    cdef int mask = node._saves
+    if mask != _SAVES_UNSET:
+        return mask
+    cls = type(node)
+    m = _SAVED_MASKS.get(cls)
+    if m is None:
+        # a rule written in Python declares `saved_mask`; without it, everything counts
+        m = getattr(cls, "saved_mask", -1)
+        _SAVED_MASKS[cls] = m
+    return m
+
+
+cdef inline _record_versions(Tensor out, Node node, tuple inputs, int mask):
+    cdef list saved = []
+    cdef _VersionCounter vc
+    cdef Py_ssize_t i
+    for i in range(len(inputs)):
+        inp = inputs[i]
+        if inp is not None and i < 30 and (mask >> i) & 1:
+            vc = _counter(<Tensor>inp)
+            saved.append((vc, vc.value, i))
+    if mask & SAVES_OUTPUT:
+        vc = _counter(out)
+        saved.append((vc, vc.value, -1))
+    if saved:
+        node._saved_versions = tuple(saved)
+
+
+def declare_saved(cls, *inputs, output=False):
+    """Declare which tensors a rule reads in backward: input positions, and the output."""
+    cdef int mask = 0
+    for i in inputs:
+        mask |= 1 << i
+    if output:
+        mask |= SAVES_OUTPUT
+    _SAVED_MASKS[cls] = mask
+
+
 cdef inline Tensor _attach(Tensor out, Node node, tuple inputs):
     """Make `out` the result of `node` applied to `inputs`."""
     node.inputs = inputs
     out._node = node
     out._requires_grad = True
-    if _anomaly_enabled:
+    cdef int mask = _saved_mask(node)
+    if mask != 0:
+        _record_versions(out, node, inputs, mask)
+    if mt_anomaly():
         node._trace = "".join(_traceback.format_stack())
     return out
 
 
 def set_grad_enabled_(bint mode):
-    global _grad_enabled
-    prev = _grad_enabled
-    _grad_enabled = mode
+    """Set this thread's grad mode; returns the previous one."""
+    prev = mt_grad_on()
+    mt_set_grad_on(mode)
     return prev
 
 
 def is_grad_enabled():
-    """True when operations record a graph for backward."""
-    return _grad_enabled
+    """True when operations in this thread record a graph for backward."""
+    return mt_grad_on()
 
 
 def set_anomaly_enabled_(bint mode):
-    global _anomaly_enabled
-    prev = _anomaly_enabled
-    _anomaly_enabled = mode
+    prev = mt_anomaly()
+    mt_set_anomaly(mode)
     return prev
 
 
 def is_anomaly_enabled():
-    return _anomaly_enabled
+    return mt_anomaly()
 
 
 class _GradMode:
@@ -212,6 +324,12 @@ cdef object _as_grad_array(object g, Tensor t):
             raise RuntimeError(f"internal error: slice gradient for shape {(<SliceGrad>g).shape} "
                                f"reached an input of shape {t._data.shape}")
         return g
+    if isinstance(g, Tensor):            # create_graph: gradients are tensors
+        if (<Tensor>g)._data.shape != t._data.shape:
+            raise RuntimeError(
+                f"internal error: gradient of shape {(<Tensor>g)._data.shape} for an input of "
+                f"shape {t._data.shape}")
+        return g
     if g.dtype != t._data.dtype:
         g = g.astype(t._data.dtype)
     if g.shape != t._data.shape:
@@ -221,24 +339,65 @@ cdef object _as_grad_array(object g, Tensor t):
     return g
 
 
-cdef object _run_tensor_hooks(list hooks, object g):
-    for hook in hooks:
-        r = hook(Tensor._wrap(g))
-        if r is not None:
-            g = r._data if isinstance(r, Tensor) else np.asarray(r)
+cdef object _run_tensor_hooks(list hooks, object g, bint create_graph):
+    """Run a tensor's hooks on its gradient. A hook's result replaces the gradient, and
+    it is checked here, where Python code hands it back, before any kernel sees it."""
+    cdef tuple shape
+    for hook in list(hooks):
+        gt = g if create_graph else Tensor._wrap(g)
+        r = hook(gt)
+        if r is None:
+            continue
+        if create_graph:
+            if not isinstance(r, Tensor):
+                r = Tensor._wrap(np.asarray(r, dtype=(<Tensor>g)._data.dtype))
+            if (<Tensor>r)._data.shape != (<Tensor>g)._data.shape:
+                raise RuntimeError(
+                    f"hook '{getattr(hook, '__name__', hook)}' returned a gradient of shape "
+                    f"{(<Tensor>r)._data.shape}, but the gradient has shape {(<Tensor>g)._data.shape}")
+            g = r
+            continue
+        r = r._data if isinstance(r, Tensor) else r
+        try:
+            r = np.asarray(r)
+        except Exception:
+            raise TypeError(f"hook '{getattr(hook, '__name__', hook)}' returned "
+                            f"{type(r).__name__}, expected a tensor") from None
+        if r.shape != g.shape:
+            raise RuntimeError(
+                f"hook '{getattr(hook, '__name__', hook)}' returned a gradient of shape {r.shape}, "
+                f"but the gradient has shape {g.shape}")
+        if r.dtype.kind not in "fiub":
+            raise TypeError(f"hook '{getattr(hook, '__name__', hook)}' returned a gradient of "
+                            f"dtype {r.dtype}, expected a floating point tensor")
+        g = np.ascontiguousarray(r, dtype=g.dtype)
     return g
 
 
 cdef _accumulate_leaf(Tensor t, object g):
-    """t.grad += g (the first time: a private copy of g, since g may be shared)."""
-    if t._grad is None:
-        t._grad = Tensor._wrap(np.array(g, dtype=t._data.dtype, order="C", copy=True))
-    else:
-        gd = (<Tensor>t._grad)._data
-        if gd.flags.writeable:
-            np.add(gd, g, out=gd, casting="unsafe")
+    """t.grad += g (the first time: a private copy of g, since g may be shared).
+
+    A lock makes this safe when several threads run backward into one shared parameter
+    (numpy releases the GIL inside the addition, so two unlocked adds can lose one)."""
+    with _accumulate_lock:
+        if isinstance(g, Tensor):             # create_graph: keep the graph of the gradient
+            t._grad = g if t._grad is None else add(t._grad, g)
+            return
+        if t._grad is None:
+            t._grad = Tensor._wrap(np.array(g, dtype=t._data.dtype, order="C", copy=True))
         else:
-            t._grad = Tensor._wrap(gd + g)
+            gd = (<Tensor>t._grad)._data
+            if gd.flags.writeable and gd.shape == t._data.shape:
+                np.add(gd, g, out=gd, casting="unsafe")
+            else:
+                t._grad = Tensor._wrap(gd + g)
+
+
+cdef object _gsum(object a, object b):
+    """a + b for two gradients (arrays, or tensors under create_graph)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return add(a, b)
+    return a + b
 
 
 cdef object _sum_into(dict pending, set owned, Node m, object gi):
@@ -258,6 +417,8 @@ cdef object _sum_into(dict pending, set owned, Node m, object gi):
         return
     if prev is None:
         pending[m] = gi
+    elif isinstance(gi, Tensor):
+        pending[m] = add(prev, gi)
     elif m in owned:
         np.add(prev, gi, out=prev)
     else:
@@ -267,6 +428,10 @@ cdef object _sum_into(dict pending, set owned, Node m, object gi):
 
 cdef _check_anomaly(Node node, tuple grads):
     for g in grads:
+        if isinstance(g, Tensor):
+            g = (<Tensor>g)._data
+        elif type(g) is SliceGrad:
+            g = (<SliceGrad>g).value
         if g is not None and g.dtype.kind == "f" and not np.isfinite(g).all():
             what = "NaN" if np.isnan(g).any() else "Inf"
             where = node._trace or "(the op was created before detect_anomaly was on)\n"
@@ -275,19 +440,63 @@ cdef _check_anomaly(Node node, tuple grads):
                 f"The op was created in the forward pass here:\n{where}")
 
 
+cdef class _LeafGrad:
+    """A leaf's gradient while backward runs: the sum so far, and how many graph edges
+    into the leaf have yet to report (when none are left, the gradient is final)."""
+    cdef Tensor leaf
+    cdef object grad
+    cdef Py_ssize_t waiting
+
+
+cdef _finish_leaf(_LeafGrad lg, dict captured, bint accumulate, bint create_graph):
+    """A leaf's gradient is complete: its hooks, then .grad (or capture), then the
+    post-accumulate hooks (DistributedDataParallel starts its all-reduce from there)."""
+    cdef Tensor t = lg.leaf
+    g = lg.grad
+    lg.grad = None
+    if g is None:
+        return
+    if t._hooks:
+        g = _run_tensor_hooks(t._hooks, g, create_graph)
+    if captured is not None:
+        captured[id(t)] = g
+    elif accumulate:
+        _accumulate_leaf(t, g)
+        if t._post_hooks:
+            for hook in list(t._post_hooks):
+                hook(t)
+
+
+cdef _check_versions(Node node):
+    """Raise if a tensor this node saved was changed in place after the forward pass."""
+    cdef _VersionCounter vc
+    for item in node._saved_versions:
+        vc = <_VersionCounter>item[0]
+        if vc.value != <long>item[1]:
+            which = "output 0" if item[2] < 0 else f"input {item[2]}"
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: {which} of {node.name()} is at "
+                f"version {vc.value}; expected version {item[1]} instead. Compute the "
+                f"in-place change out of place (y = y + 1) or clone() the tensor first.")
+
+
 def run_backward(list outputs, list grad_outputs, bint retain_graph,
-                 list inputs=None, bint accumulate=True):
+                 list inputs=None, bint accumulate=True, bint create_graph=False):
     """Back-propagate `grad_outputs` from `outputs`.
 
     With `accumulate`, leaves add their gradient into `.grad` (loss.backward()).
     With `inputs`, the gradients reaching those tensors are returned instead
     (mt.autograd.grad), and no `.grad` is touched.
+    With `create_graph`, every rule runs as differentiable tensor ops (the rule that
+    microtensor.autograd.higher_order registers), so the gradients have a grad_fn.
     """
     cdef Node node, m
     cdef Tensor t
+    cdef _LeafGrad lg
     cdef dict deps = {}        # node -> number of consumers still to report
     cdef dict pending = {}     # node -> gradient summed so far
-    cdef dict leaf_grads = {}  # id(leaf) -> [leaf, gradient]
+    cdef dict leaves = {}      # id(leaf) -> _LeafGrad
     cdef list stack = []
     cdef list ready = []
     cdef set owned = set()     # nodes whose pending buffer the engine allocated
@@ -295,6 +504,10 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
     cdef set capture_nodes = None
     cdef object g
 
+    if create_graph:
+        if _create_graph_rule is None:
+            import microtensor.autograd.higher_order  # registers the rule
+        grad_outputs = [g if isinstance(g, Tensor) else Tensor._wrap(g) for g in grad_outputs]
     if inputs is not None:
         captured = {}
         capture_nodes = set()
@@ -307,28 +520,39 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
         if not t._requires_grad:
             raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
         if t._node is None:
-            if id(t) in leaf_grads:
-                leaf_grads[id(t)][1] = leaf_grads[id(t)][1] + g
+            lg = leaves.get(id(t))
+            if lg is None:
+                lg = _LeafGrad.__new__(_LeafGrad)
+                lg.leaf, lg.grad, lg.waiting = t, g, 0
+                leaves[id(t)] = lg
             else:
-                leaf_grads[id(t)] = [t, g]
+                lg.grad = _gsum(lg.grad, g)
             continue
         node = t._node
         if node in pending:
-            pending[node] = pending[node] + g
+            pending[node] = _gsum(pending[node], g)
         else:
             pending[node] = g
             if node not in deps:
                 deps[node] = 0
                 stack.append(node)
 
-    # 2) count, for every reachable node, how many consumers will send it a gradient
+    # 2) count, for every reachable node and leaf, how many consumers will report to it
     while stack:
         node = stack.pop()
         for inp in node.inputs:
             if inp is None:
                 continue
             t = <Tensor>inp
-            if t._node is None or not t._requires_grad:
+            if not t._requires_grad:
+                continue
+            if t._node is None:
+                lg = leaves.get(id(t))
+                if lg is None:
+                    lg = _LeafGrad.__new__(_LeafGrad)
+                    lg.leaf, lg.grad, lg.waiting = t, None, 0
+                    leaves[id(t)] = lg
+                lg.waiting += 1
                 continue
             m = t._node
             if m in deps:
@@ -341,67 +565,73 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
     for node, n in deps.items():
         if n == 0:
             ready.append(node)
-    while ready:
-        node = ready.pop()
-        g = pending.pop(node, None)
-        owned.discard(node)
-        if g is None:
-            # reached only through inputs that produced no gradient
-            _release_inputs(node, deps, ready)
-            continue
-        if node._hooks:
-            g = _run_tensor_hooks(node._hooks, g)
-        if node._retained is not None and accumulate:
-            _accumulate_leaf(<Tensor>node._retained, g)
-        if capture_nodes is not None and node in capture_nodes:
-            captured[id(node)] = g
-        if node.freed:
-            raise RuntimeError(
-                f"Trying to backward through the graph a second time (at {node.name()}), "
-                "but the saved intermediate values have already been freed. Specify "
-                "retain_graph=True when calling .backward() or autograd.grad() the first time.")
-        if _backward_profiler is None:
-            grads = node.backward(g)
-        else:
-            grads = _backward_profiler(node, g)
-        if _anomaly_enabled:
-            _check_anomaly(node, grads)
-        if not retain_graph:
-            node.release()
-            node.freed = True
-        for inp, gi in zip(node.inputs, grads):
-            if inp is None:
+    prev_mode = mt_grad_on()
+    mt_set_grad_on(create_graph)      # rules record a graph only under create_graph
+    try:
+        while ready:
+            node = ready.pop()
+            g = pending.pop(node, None)
+            owned.discard(node)
+            if g is None:
+                # reached only through inputs that produced no gradient
+                _release_inputs(node, deps, ready, leaves, captured, accumulate, create_graph)
                 continue
-            t = <Tensor>inp
-            if not t._requires_grad:
-                continue
-            if t._node is None:
-                if gi is None:
+            if node._hooks:
+                g = _run_tensor_hooks(node._hooks, g, create_graph)
+            if node._retained is not None and accumulate:
+                retained = node._retained()
+                if retained is not None:
+                    _accumulate_leaf(<Tensor>retained, g)
+            if capture_nodes is not None and node in capture_nodes:
+                captured[id(node)] = g
+            if node.freed:
+                raise RuntimeError(
+                    f"Trying to backward through the graph a second time (at {node.name()}), "
+                    "but the saved intermediate values have already been freed. Specify "
+                    "retain_graph=True when calling .backward() or autograd.grad() the first time.")
+            if node._saved_versions is not None:
+                _check_versions(node)
+            if create_graph:
+                grads = _create_graph_rule(node, g)
+            elif _backward_profiler is None:
+                grads = node.backward(g)
+            else:
+                grads = _backward_profiler(node, g)
+            if mt_anomaly():
+                _check_anomaly(node, grads)
+            if not retain_graph:
+                node.release()
+                node.freed = True
+                node._saved_versions = None
+            for inp, gi in zip(node.inputs, grads):
+                if inp is None:
                     continue
-                gi = _as_grad_array(gi, t)
-                if type(gi) is SliceGrad:
-                    gi = (<SliceGrad>gi).dense()
-                key = id(t)
-                if key in leaf_grads:
-                    leaf_grads[key][1] = leaf_grads[key][1] + gi
-                else:
-                    leaf_grads[key] = [t, gi]
-                continue
-            m = t._node
-            if gi is not None:
-                _sum_into(pending, owned, m, _as_grad_array(gi, t))
-            deps[m] -= 1
-            if deps[m] == 0:
-                ready.append(m)
+                t = <Tensor>inp
+                if not t._requires_grad:
+                    continue
+                if t._node is None:
+                    lg = <_LeafGrad>leaves[id(t)]
+                    if gi is not None:
+                        gi = _as_grad_array(gi, t)
+                        if type(gi) is SliceGrad:
+                            gi = (<SliceGrad>gi).dense()
+                        lg.grad = gi if lg.grad is None else _gsum(lg.grad, gi)
+                    lg.waiting -= 1
+                    if lg.waiting == 0:
+                        _finish_leaf(lg, captured, accumulate, create_graph)
+                    continue
+                m = t._node
+                if gi is not None:
+                    _sum_into(pending, owned, m, _as_grad_array(gi, t))
+                deps[m] -= 1
+                if deps[m] == 0:
+                    ready.append(m)
 
-    # 4) leaves: hooks, then accumulate (or capture)
-    for key, (t, g) in leaf_grads.items():
-        if t._hooks:
-            g = _run_tensor_hooks(t._hooks, g)
-        if captured is not None:
-            captured[key] = g
-        elif accumulate:
-            _accumulate_leaf(t, g)
+        # 4) leaves not finished above (seeded directly, or cut off by a node without gradient)
+        for lg in leaves.values():
+            _finish_leaf(lg, captured, accumulate, create_graph)
+    finally:
+        mt_set_grad_on(prev_mode)
     if inputs is None:
         return None
     result = []
@@ -410,18 +640,30 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
             g = captured.get(id(t._node))
         else:
             g = captured.get(id(t))
-        result.append(None if g is None else Tensor._wrap(g))
+        if g is None:
+            result.append(None)
+        else:
+            result.append(g if isinstance(g, Tensor) else Tensor._wrap(g))
     return result
 
 
-cdef _release_inputs(Node node, dict deps, list ready):
+cdef _release_inputs(Node node, dict deps, list ready, dict leaves, dict captured,
+                     bint accumulate, bint create_graph):
     """A node with no gradient still counts as having reported to its inputs."""
     cdef Tensor t
+    cdef _LeafGrad lg
     for inp in node.inputs:
         if inp is None:
             continue
         t = <Tensor>inp
-        if t._node is not None and t._requires_grad:
+        if not t._requires_grad:
+            continue
+        if t._node is None:
+            lg = <_LeafGrad>leaves[id(t)]
+            lg.waiting -= 1
+            if lg.waiting == 0:
+                _finish_leaf(lg, captured, accumulate, create_graph)
+        else:
             deps[t._node] -= 1
             if deps[t._node] == 0:
                 ready.append(t._node)

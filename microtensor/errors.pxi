@@ -24,6 +24,11 @@ cdef tuple _norm_dims(object dim, int ndim):
     """None -> all dims; an int or a sequence of ints -> a sorted tuple of dims."""
     if dim is None:
         return tuple(range(ndim))
+    if ndim == 0:
+        # a 0-d tensor accepts dim 0 or -1 (as torch) and reduces over nothing
+        for d in (dim if isinstance(dim, (tuple, list)) else (dim,)):
+            _norm_dim(d, 0)
+        return ()
     if isinstance(dim, (tuple, list)):
         dims = tuple(sorted(set(_norm_dim(d, ndim) for d in dim)))
         if len(dims) != len(dim):

@@ -26,12 +26,10 @@ cdef int _num_threads = _default_threads()
 cdef Py_ssize_t _PARALLEL_MIN = 1 << 15  # below this, one thread is faster
 
 
-def set_num_threads(int n):
+def set_num_threads(n):
     """Threads used by microtensor's own kernels (BLAS has its own setting)."""
     global _num_threads
-    if n < 1:
-        raise ValueError(f"number of threads must be at least 1, got {n}")
-    _num_threads = n
+    _num_threads = _bounded_threads(n, "set_num_threads")
 
 
 def get_num_threads():
@@ -42,12 +40,38 @@ cdef inline int _threads(Py_ssize_t work) noexcept nogil:
     return _num_threads if work >= _PARALLEL_MIN else 1
 
 
+cdef inline int _check_same(str kernel, Py_ssize_t n, Py_ssize_t a, Py_ssize_t b) except -1:
+    """Every kernel entry checks its arrays' sizes: bounds checks are off inside."""
+    if a != n or b != n:
+        raise ValueError(f"{kernel}: arrays of {n}, {a} and {b} elements; they must match")
+    return 0
+
+
+cdef int _max_threads():
+    import os
+    return _builtins_max(256, 4 * (os.cpu_count() or 1))
+
+
+cdef inline int _builtins_max(int a, int b):
+    return a if a > b else b
+
+
+cdef inline int _bounded_threads(object n, str what) except -1:
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
+        raise TypeError(f"{what}: the number of threads must be an int, got {type(n).__name__}")
+    limit = _max_threads()
+    if n < 1 or n > limit:
+        raise ValueError(f"{what}: number of threads must be between 1 and {limit}, got {n}")
+    return n
+
+
 # ---- elementwise backward pairs (dinp = dout * f'(...)), flat contiguous ----------
 
 @cython.wraparound(False)
 def exp_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d exp(x) = g * exp(x) = g * y"""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("exp_backward", n, dout.shape[0], out.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         dinp[i] = dout[i] * out[i]
 
@@ -56,6 +80,7 @@ def exp_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
 def log_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
     """d log(x) = g / x"""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("log_backward", n, dout.shape[0], inp.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         dinp[i] = dout[i] / inp[i]
 
@@ -64,6 +89,7 @@ def log_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
 def sqrt_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d sqrt(x) = g / (2 sqrt(x))"""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("sqrt_backward", n, dout.shape[0], out.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         dinp[i] = dout[i] * 0.5 / out[i]
 
@@ -72,6 +98,7 @@ def sqrt_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
 def tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d tanh(x) = g * (1 - y^2)"""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("tanh_backward", n, dout.shape[0], out.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         dinp[i] = dout[i] * (1 - out[i] * out[i])
 
@@ -80,6 +107,7 @@ def tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
 def sigmoid_forward(real[::1] out, const real[::1] inp):
     """y = 1 / (1 + exp(-x)), written so that neither branch overflows"""
     cdef Py_ssize_t i, n = out.shape[0]
+    _check_same("sigmoid_forward", n, inp.shape[0], n)
     cdef real z
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         if inp[i] >= 0:
@@ -93,6 +121,7 @@ def sigmoid_forward(real[::1] out, const real[::1] inp):
 def sigmoid_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d sigmoid(x) = g * y * (1 - y)"""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("sigmoid_backward", n, dout.shape[0], out.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         dinp[i] = dout[i] * out[i] * (1 - out[i])
 
@@ -101,22 +130,26 @@ def sigmoid_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
 def relu_forward(real[::1] out, const real[::1] inp):
     """y = max(x, 0)"""
     cdef Py_ssize_t i, n = out.shape[0]
+    _check_same("relu_forward", n, inp.shape[0], n)
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
-        out[i] = inp[i] if inp[i] > 0 else 0
+        out[i] = 0 if inp[i] <= 0 else inp[i]     # NOTE: written so that NaN stays NaN
 
 
 @cython.wraparound(False)
 def relu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
-    """d relu(x) = g * (x > 0).  NOTE: the gradient at exactly 0 is 0, as in torch."""
+    """d relu(x) = g * (x > 0).  NOTE: the gradient at exactly 0 is 0, as in torch
+    (and at NaN it is g, as torch's `x <= 0 ? 0 : g`)."""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("relu_backward", n, dout.shape[0], inp.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
-        dinp[i] = dout[i] if inp[i] > 0 else 0
+        dinp[i] = 0 if inp[i] <= 0 else dout[i]
 
 
 @cython.wraparound(False)
 def abs_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
     """d |x| = g * sign(x)  (0 at 0, as in torch)"""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("abs_backward", n, dout.shape[0], inp.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         if inp[i] > 0:
             dinp[i] = dout[i]
@@ -131,6 +164,7 @@ def clamp_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp,
                    double lo, double hi):
     """d clamp(x, lo, hi) = g where lo <= x <= hi, else 0"""
     cdef Py_ssize_t i, n = dinp.shape[0]
+    _check_same("clamp_backward", n, dout.shape[0], inp.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
         dinp[i] = dout[i] if (inp[i] >= lo and inp[i] <= hi) else 0
 
@@ -143,6 +177,11 @@ def max_lastdim(const real[:, ::1] inp, real[::1] values, long long[::1] indices
     cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
     cdef Py_ssize_t best
     cdef real m
+    if values.shape[0] != R or indices.shape[0] != R:
+        raise ValueError(f"max_lastdim: {R} rows but {values.shape[0]} values and "
+                         f"{indices.shape[0]} indices")
+    if N == 0 and R > 0:
+        raise ValueError("max_lastdim: rows of length 0 have no maximum")
     for r in prange(R, nogil=True, num_threads=_threads(R * N), schedule="static"):
         best = 0
         m = inp[r, 0]
@@ -162,7 +201,13 @@ def scatter_add_rows(real[:, ::1] dst, const long long[::1] index, const real[:,
 
     NOTE: serial over i on purpose: two rows with the same index must not be added by
     two threads at once. The inner loop over D is what gets vectorised."""
-    cdef Py_ssize_t i, j, row, M = index.shape[0], D = src.shape[1]
+    cdef Py_ssize_t i, j, row, M = index.shape[0], D = src.shape[1], R = dst.shape[0]
+    if src.shape[0] != M or dst.shape[1] != D:
+        raise ValueError(f"scatter_add_rows: src of shape {tuple(src.shape)[:2]} for {M} "
+                         f"indices into rows of {dst.shape[1]}")
+    for i in range(M):
+        if index[i] < 0 or index[i] >= R:
+            raise IndexError(f"scatter_add_rows: index {index[i]} is out of range for {R} rows")
     with nogil:
         for i in range(M):
             row = index[i]
@@ -175,6 +220,7 @@ def sum_of_squares(const real[::1] x, int num_threads=1):
     """sum(x^2) accumulated in double, in one pass (clip_grad_norm_'s inner loop)."""
     cdef Py_ssize_t i, n = x.shape[0]
     cdef double total = 0
+    _bounded_threads(num_threads, "sum_of_squares")
     for i in prange(n, nogil=True, num_threads=num_threads if n >= _PARALLEL_MIN else 1,
                     schedule="static"):
         total += <double>x[i] * x[i]

@@ -62,7 +62,7 @@ cdef inline Tensor _binary_result(object out, object ta, object tb, Node node):
 
 cdef class AddBackward(Node):
     """y = a + b;  da = g,  db = g"""
-    cdef tuple ashape, bshape
+    cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
         return (unbroadcast(g, self.ashape), unbroadcast(g, self.bshape))
 
@@ -82,7 +82,7 @@ def add(a, b, alpha=1):
 
 cdef class SubBackward(Node):
     """y = a - b;  da = g,  db = -g"""
-    cdef tuple ashape, bshape
+    cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
         db = None
         if self.inputs[1] is not None:
@@ -107,7 +107,7 @@ def sub(a, b, alpha=1):
 
 cdef class MulBackward(Node):
     """y = a * b;  da = g * b,  db = g * a"""
-    cdef object a, b
+    cdef readonly object a, b
     cpdef tuple backward(self, g):
         da = db = None
         if self.inputs[0] is not None:
@@ -133,7 +133,7 @@ def mul(a, b):
 
 cdef class DivBackward(Node):
     """y = a / b;  da = g / b,  db = -g * a / b^2"""
-    cdef object a, b
+    cdef readonly object a, b
     cpdef tuple backward(self, g):
         da = db = None
         ga = g / self.b
@@ -162,17 +162,21 @@ def div(a, b):
 
 cdef class PowBackward(Node):
     """y = a ** b;  da = g * b * a^(b-1),  db = g * y * log(a)"""
-    cdef object a, b, out
+    cdef readonly object a, b, out
     cpdef tuple backward(self, g):
         da = db = None
         with np.errstate(divide="ignore", invalid="ignore"):
             if self.inputs[0] is not None:
                 if isinstance(self.b, (int, float)):
-                    da = g * (self.b * np.power(self.a, self.b - 1))
+                    # NOTE: x**0 has gradient 0 everywhere, also at x = 0 (not 0 * inf)
+                    da = g * (self.b * np.power(self.a, self.b - 1)) if self.b != 0 else g * 0
                 else:
-                    da = unbroadcast(g * self.b * np.power(self.a, self.b - 1), _shape_of(self.a))
+                    local = np.where(self.b == 0, 0, self.b * np.power(self.a, self.b - 1))
+                    da = unbroadcast(g * local, _shape_of(self.a))
             if self.inputs[1] is not None:
-                db = unbroadcast(g * self.out * np.log(self.a), _shape_of(self.b))
+                # d/de x**e at x = 0 (e >= 0) is 0, as in torch, not 0 * log(0)
+                local = np.where((self.a == 0) & (self.b >= 0), 0, self.out * np.log(self.a))
+                db = unbroadcast(g * local, _shape_of(self.b))
         return (da, db)
 
     cpdef release(self):
@@ -206,7 +210,7 @@ def neg(x):
     if t._data.dtype == bool_:
         raise TypeError("negation of a bool tensor is not supported; use ~ or logical_not")
     cdef Tensor out = Tensor._wrap(np.negative(t._data))
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         _attach(out, NegBackward.__new__(NegBackward), (t,))
     return out
 
@@ -227,8 +231,8 @@ cdef inline object _flat(object a):
 
 cdef class UnaryBackward(Node):
     """Shared shape of the elementwise nodes: `saved` is x or y, `kernel` the rule."""
-    cdef object saved
-    cdef object kernel
+    cdef readonly object saved
+    cdef readonly object kernel
 
     cpdef tuple backward(self, g):
         dinp = np.empty(self.saved.shape, dtype=self.saved.dtype)
@@ -245,10 +249,11 @@ cdef class UnaryBackward(Node):
 cdef inline Tensor _unary_result(Tensor t, object out, object kernel, object saved):
     cdef Tensor res = Tensor._wrap(out)
     cdef UnaryBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = UnaryBackward.__new__(UnaryBackward)
         node.kernel = kernel
         node.saved = saved
+        node._saves = SAVES_OUTPUT if saved is out else 1
         _attach(res, node, (t,))
     return res
 
@@ -317,8 +322,8 @@ def abs(x):
 
 cdef class ClampBackward(Node):
     """y = min(max(x, lo), hi);  dx = g where lo <= x <= hi"""
-    cdef object x
-    cdef double lo, hi
+    cdef readonly object x
+    cdef readonly double lo, hi
     cpdef tuple backward(self, g):
         dinp = np.empty(self.x.shape, dtype=self.x.dtype)
         clamp_backward(dinp.reshape(-1), _flat(g), _flat(self.x), self.lo, self.hi)
@@ -344,7 +349,7 @@ def clamp(x, min=None, max=None):
     out = np.clip(d, min, max)
     cdef Tensor res = Tensor._wrap(out)
     cdef ClampBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = ClampBackward.__new__(ClampBackward)
         node.x = d
         node.lo = -np.inf if min is None else min
@@ -357,8 +362,8 @@ def clamp(x, min=None, max=None):
 
 cdef class WhereBackward(Node):
     """y = cond ? a : b;  da = g * cond,  db = g * !cond"""
-    cdef object cond
-    cdef tuple ashape, bshape
+    cdef readonly object cond
+    cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
         da = db = None
         if self.inputs[0] is not None:
@@ -461,7 +466,7 @@ def isfinite(x):
 
 cdef class CastBackward(Node):
     """y = x.to(dtype);  dx = g.to(x.dtype)"""
-    cdef object dtype
+    cdef readonly object dtype
     cpdef tuple backward(self, g):
         return (g.astype(self.dtype),)
 
@@ -470,14 +475,54 @@ def _cast(x, dtype, bint copy=False):
     cdef Tensor t = _t(x)
     cdef Tensor res = Tensor._wrap(t._data.astype(dtype, copy=True))
     cdef CastBackward node
-    if _grad_enabled and t._requires_grad and np.dtype(dtype).kind == "f":
+    if _grad_on() and t._requires_grad and np.dtype(dtype).kind == "f":
         node = CastBackward.__new__(CastBackward)
         node.dtype = t._data.dtype
         _attach(res, node, (t,))
     return res
 
 
+def floor_divide(a, b):
+    """a // b, rounding toward -inf (torch's floor_divide / `//`); no gradient."""
+    x, y = _operand(a), _operand(b)
+    try:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = np.floor_divide(x, y)
+    except ValueError:
+        raise _broadcast_error("floor_divide", x, y) from None
+    if isinstance(x, np.ndarray) and x.dtype.kind in "iu" and isinstance(y, np.ndarray) \
+            and y.dtype.kind in "iu" and (y == 0).any():
+        raise ZeroDivisionError("integer division by zero in floor_divide")
+    return Tensor._wrap(np.asarray(_promote(out, x, y)))
+
+
+def remainder(a, b):
+    """a % b with the sign of b (Python's and torch's);  da = g,  db = -g * floor(a / b)"""
+    x, y = _operand(a), _operand(b)
+    is_float = (isinstance(x, np.ndarray) and x.dtype.kind == "f") or \
+               (isinstance(y, np.ndarray) and y.dtype.kind == "f") or \
+               isinstance(x, float) or isinstance(y, float)
+    if not is_float:
+        q = floor_divide(a, b)
+        return sub(a, mul(q, b))
+    with no_grad():
+        q = floor_divide(a, b)
+    return sub(a, mul(q, b))
+
+
 def sum_to_shape(grad, shape):
     """unbroadcast() for Python-level backward rules (nn.functional): the one place
     where broadcasting is undone."""
     return unbroadcast(grad, tuple(shape))
+
+
+# which tensors each rule reads in backward (version checks)
+declare_saved(AddBackward)
+declare_saved(SubBackward)
+declare_saved(NegBackward)
+declare_saved(MulBackward, 0, 1)
+declare_saved(DivBackward, 0, 1)
+declare_saved(PowBackward, 0, 1, output=True)
+declare_saved(ClampBackward, 0)
+declare_saved(WhereBackward)
+declare_saved(CastBackward)

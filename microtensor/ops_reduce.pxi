@@ -12,8 +12,8 @@ cdef object _expand_back(object g, tuple in_shape, tuple dims, bint keepdim):
 
 cdef class SumBackward(Node):
     """y = sum(x, dims);  dx = broadcast(g)"""
-    cdef tuple shape, dims
-    cdef bint keepdim
+    cdef readonly tuple shape, dims
+    cdef readonly bint keepdim
     cpdef tuple backward(self, g):
         return (_expand_back(g, self.shape, self.dims, self.keepdim),)
 
@@ -29,7 +29,7 @@ def sum(x, dim=None, keepdim=False, dtype=None):
         out = out.astype(as_dtype(dtype))
     cdef Tensor res = Tensor._wrap(out)
     cdef SumBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = SumBackward.__new__(SumBackward)
         node.shape, node.dims, node.keepdim = t._data.shape, dims, keepdim
         _attach(res, node, (t,))
@@ -38,9 +38,9 @@ def sum(x, dim=None, keepdim=False, dtype=None):
 
 cdef class MeanBackward(Node):
     """y = mean(x, dims);  dx = broadcast(g) / n"""
-    cdef tuple shape, dims
-    cdef bint keepdim
-    cdef Py_ssize_t n
+    cdef readonly tuple shape, dims
+    cdef readonly bint keepdim
+    cdef readonly Py_ssize_t n
     cpdef tuple backward(self, g):
         return (_expand_back(g / self.n, self.shape, self.dims, self.keepdim),)
 
@@ -60,7 +60,7 @@ def mean(x, dim=None, keepdim=False, dtype=None):
         out = np.asarray(d.mean(axis=dims, keepdims=keepdim))
     cdef Tensor res = Tensor._wrap(out)
     cdef MeanBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = MeanBackward.__new__(MeanBackward)
         node.shape, node.dims, node.keepdim, node.n = t._data.shape, dims, keepdim, n
         _attach(res, node, (t,))
@@ -69,10 +69,10 @@ def mean(x, dim=None, keepdim=False, dtype=None):
 
 cdef class VarBackward(Node):
     """y = sum((x - mean)^2) / (n - correction);  dx = g * 2 (x - mean) / (n - correction)"""
-    cdef object centered
-    cdef tuple dims
-    cdef bint keepdim
-    cdef double denom
+    cdef readonly object centered
+    cdef readonly tuple dims
+    cdef readonly bint keepdim
+    cdef readonly double denom
     cpdef tuple backward(self, g):
         if not self.keepdim and self.dims:
             g = np.expand_dims(g, self.dims)
@@ -99,7 +99,7 @@ def var(x, dim=None, keepdim=False, correction=1, unbiased=None):
         out = np.asarray(np.square(centered).sum(axis=dims, keepdims=keepdim) / (denom if denom > 0 else np.nan)).astype(d.dtype, copy=False)
     cdef Tensor res = Tensor._wrap(out)
     cdef VarBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = VarBackward.__new__(VarBackward)
         node.centered, node.dims, node.keepdim = centered, dims, keepdim
         node.denom = denom if denom > 0 else np.nan
@@ -113,9 +113,9 @@ def std(x, dim=None, keepdim=False, correction=1):
 
 cdef class AmaxBackward(Node):
     """y = max over dims;  dx = g / (number of ties) at every maximal element"""
-    cdef object x, out
-    cdef tuple dims
-    cdef bint keepdim
+    cdef readonly object x, out
+    cdef readonly tuple dims
+    cdef readonly bint keepdim
     cpdef tuple backward(self, g):
         out = self.out
         if not self.keepdim and self.dims:
@@ -140,7 +140,7 @@ def amax(x, dim=None, keepdim=False):
     out = np.asarray(t._data.max(axis=dims, keepdims=keepdim))
     cdef Tensor res = Tensor._wrap(out)
     cdef AmaxBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = AmaxBackward.__new__(AmaxBackward)
         node.x, node.out, node.dims, node.keepdim = t._data, out, dims, keepdim
         _attach(res, node, (t,))
@@ -153,10 +153,10 @@ def amin(x, dim=None, keepdim=False):
 
 cdef class MaxDimBackward(Node):
     """values = x.max(dim);  dx = g scattered to the index of each maximum"""
-    cdef object indices
-    cdef tuple shape
-    cdef int dim
-    cdef bint keepdim
+    cdef readonly object indices
+    cdef readonly tuple shape
+    cdef readonly int dim
+    cdef readonly bint keepdim
     cpdef tuple backward(self, g):
         idx = self.indices
         if not self.keepdim:
@@ -211,7 +211,7 @@ def max(x, dim=None, keepdim=False):
     values, indices = _max_along(t._data, d, keepdim)
     cdef Tensor res = Tensor._wrap(values)
     cdef MaxDimBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = MaxDimBackward.__new__(MaxDimBackward)
         node.indices, node.shape, node.dim, node.keepdim = indices, t._data.shape, d, keepdim
         _attach(res, node, (t,))
@@ -239,19 +239,58 @@ class MaxResult(tuple):
         return self[1]
 
 
+cdef class MaximumBackward(Node):
+    """y = max(a, b);  da = g * w,  db = g * (1 - w),  w = 1 where a > b, 1/2 at ties"""
+    cdef readonly object weight
+    cdef readonly tuple ashape, bshape
+    cpdef tuple backward(self, g):
+        da = db = None
+        if self.inputs[0] is not None:
+            da = unbroadcast(g * self.weight, self.ashape)
+        if self.inputs[1] is not None:
+            db = unbroadcast(g * (1 - self.weight), self.bshape)
+        return (da, db)
+
+    cpdef release(self):
+        self.weight = None
+
+
+cdef object _extremum(object a, object b, bint is_max):
+    x, y = _operand(a), _operand(b)
+    try:
+        out = np.maximum(x, y) if is_max else np.minimum(x, y)   # NaN propagates, as in torch
+    except ValueError:
+        raise _broadcast_error("maximum" if is_max else "minimum", x, y) from None
+    out = np.asarray(_promote(out, x, y))
+    cdef MaximumBackward node = MaximumBackward.__new__(MaximumBackward)
+    if out.dtype.kind == "f":
+        wins = np.greater(x, y) if is_max else np.less(x, y)
+        node.weight = np.where(wins, 1.0, np.where(np.equal(x, y), 0.5, 0.0)).astype(out.dtype)
+    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
+    return _binary_result(out, a, b, node)
+
+
 def maximum(a, b):
-    return where(ge(a, b), a, b)
+    """Elementwise max(a, b); a NaN in either gives NaN."""
+    return _extremum(a, b, True)
 
 
 def minimum(a, b):
-    return where(le(a, b), a, b)
+    """Elementwise min(a, b); a NaN in either gives NaN."""
+    return _extremum(a, b, False)
 
 
 def argmax(x, dim=None, keepdim=False):
     cdef Tensor t = _t(x)
+    if t._data.size == 0 and (dim is None or t._data.ndim == 0
+                              or t._data.shape[_norm_dim(dim, t._data.ndim)] == 0):
+        raise IndexError(f"argmax(): cannot take the argmax over an empty dimension "
+                         f"(shape {t._data.shape}, dim {dim})")
     if dim is None:
         return Tensor._wrap(np.asarray(np.argmax(t._data), dtype=int64))
     cdef int d = _norm_dim(dim, t._data.ndim)
+    if t._data.ndim == 0:
+        return Tensor._wrap(np.zeros((), dtype=int64))
     return Tensor._wrap(_max_along(t._data, d, keepdim)[1])
 
 
@@ -275,15 +314,34 @@ def register_softmax(softmax_fn, log_softmax_fn):
 
 def softmax(x, dim=None):
     """y = exp(x) / sum(exp(x)) along dim (computed stably)."""
+    cdef Tensor t = _t(x)
+    if t._data.ndim == 0 and dim is not None:   # one element: 1, with gradient 0
+        _norm_dim(dim, 0)
+        return add(mul(t, 0.0), 1.0)
     return _softmax_impl(x, dim)
 
 
 def log_softmax(x, dim=None):
     """y = x - logsumexp(x) along dim."""
+    cdef Tensor t = _t(x)
+    if t._data.ndim == 0 and dim is not None:   # one element: 0, with gradient 0
+        _norm_dim(dim, 0)
+        return mul(t, 0.0)
     return _log_softmax_impl(x, dim)
 
 
 def logsumexp(x, dim, keepdim=False):
-    m = amax(x, dim, True).detach()
+    """y = log(sum(exp(x))) along dim, shifted by the max for stability."""
+    m = np.array(amax(x, dim, True)._data, copy=True)
+    m[~np.isfinite(m)] = 0      # all -inf gives -inf, a +inf gives inf (as torch), not NaN
     out = add(log(sum(exp(sub(x, m)), dim, True)), m)
     return out if keepdim else squeeze(out, dim)
+
+
+# which tensors each rule reads in backward (version checks)
+declare_saved(SumBackward)
+declare_saved(MeanBackward)
+declare_saved(VarBackward)
+declare_saved(AmaxBackward, 0, output=True)
+declare_saved(MaxDimBackward)
+declare_saved(MaximumBackward)

@@ -31,7 +31,7 @@ cdef tuple _infer_shape(tuple shape, Py_ssize_t numel, tuple old):
 
 cdef class ReshapeBackward(Node):
     """y = x.reshape(shape);  dx = g.reshape(x.shape)"""
-    cdef tuple shape
+    cdef readonly tuple shape
     cpdef tuple backward(self, g):
         return (g.reshape(self.shape),)
 
@@ -40,10 +40,12 @@ def reshape(x, *shape):
     cdef Tensor t = _t(x)
     cdef tuple target = _infer_shape(_shape_from_args(shape), t._data.size, t._data.shape)
     if target == t._data.shape:
-        return t if not t._requires_grad or not _grad_enabled else _view_identity(t)
+        return t if not t._requires_grad or not _grad_on() else _view_identity(t)
     cdef Tensor res = Tensor._wrap(t._data.reshape(target))
+    if np.may_share_memory(res._data, t._data):
+        _share_version(res, t)
     cdef ReshapeBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = ReshapeBackward.__new__(ReshapeBackward)
         node.shape = t._data.shape
         _attach(res, node, (t,))
@@ -52,6 +54,7 @@ def reshape(x, *shape):
 
 cdef Tensor _view_identity(Tensor t):
     cdef Tensor res = Tensor._wrap(t._data)
+    _share_version(res, t)
     cdef ReshapeBackward node = ReshapeBackward.__new__(ReshapeBackward)
     node.shape = t._data.shape
     _attach(res, node, (t,))
@@ -59,7 +62,19 @@ cdef Tensor _view_identity(Tensor t):
 
 
 def view(x, *shape):
-    return reshape(x, *shape)
+    """Like reshape, but never copies: a shape the strides cannot express is an error
+    (as torch's view), since a silent copy would break in-place updates through it."""
+    cdef Tensor t = _t(x)
+    cdef tuple target = _infer_shape(_shape_from_args(shape), t._data.size, t._data.shape)
+    if target != t._data.shape and t._data.size > 1:
+        probe = t._data.view()
+        try:
+            probe.shape = target          # numpy refuses exactly when a copy would be needed
+        except AttributeError:
+            raise RuntimeError(
+                f"view size is not compatible with input tensor's size and stride (shape "
+                f"{t._data.shape}, strides {t._data.strides}); use .reshape(...) instead") from None
+    return reshape(t, target)
 
 
 def flatten(x, start_dim=0, end_dim=-1):
@@ -87,13 +102,16 @@ def squeeze(x, dim=None):
     shp = t._data.shape
     if dim is None:
         return reshape(t, tuple(s for s in shp if s != 1))
-    dims = _norm_dims(dim, t._data.ndim) if t._data.ndim else ()
+    if t._data.ndim == 0:
+        _norm_dims(dim, 1)          # a 0-d tensor accepts dim 0 or -1 (IndexError otherwise)
+        return t
+    dims = _norm_dims(dim, t._data.ndim)
     return reshape(t, tuple(s for i, s in enumerate(shp) if not (i in dims and s == 1)))
 
 
 cdef class PermuteBackward(Node):
     """y = x.permute(dims);  dx = g.permute(inverse(dims))"""
-    cdef tuple inverse
+    cdef readonly tuple inverse
     cpdef tuple backward(self, g):
         return (g.transpose(self.inverse),)
 
@@ -109,8 +127,9 @@ def permute(x, *dims):
     if len(set(ds)) != nd:
         raise ShapeError(f"permute: dims {ds} repeat a dimension")
     cdef Tensor res = Tensor._wrap(t._data.transpose(ds))
+    _share_version(res, t)
     cdef PermuteBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = PermuteBackward.__new__(PermuteBackward)
         node.inverse = tuple(np.argsort(ds))
         _attach(res, node, (t,))
@@ -130,7 +149,7 @@ def transpose(x, dim0, dim1):
 
 cdef class ExpandBackward(Node):
     """y = x.expand(sizes);  dx = unbroadcast(g)"""
-    cdef tuple shape
+    cdef readonly tuple shape
     cpdef tuple backward(self, g):
         return (unbroadcast(g, self.shape),)
 
@@ -153,8 +172,9 @@ def expand(x, *sizes):
             raise ShapeError(f"expand: the expanded size {s} must match the existing size "
                              f"{shp[i - lead]} at dim {i} (shape {shp} -> {target})")
     cdef Tensor res = Tensor._wrap(np.broadcast_to(t._data, tuple(resolved)))
+    _share_version(res, t)
     cdef ExpandBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = ExpandBackward.__new__(ExpandBackward)
         node.shape = shp
         _attach(res, node, (t,))
@@ -171,7 +191,7 @@ def contiguous(x):
         return t
     cdef Tensor res = Tensor._wrap(_contig(t._data))
     cdef ReshapeBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = ReshapeBackward.__new__(ReshapeBackward)
         node.shape = t._data.shape
         _attach(res, node, (t,))
@@ -191,6 +211,8 @@ def split(x, split_size_or_sections, dim=0):
             sizes = [0]
     else:
         sizes = [int(s) for s in split_size_or_sections]
+        if _builtins.any(s < 0 for s in sizes):
+            raise ValueError(f"split: split sizes must be non-negative, got {sizes}")
         if _builtins.sum(sizes) != n:
             raise ShapeError(f"split: sizes {sizes} sum to {_builtins.sum(sizes)}, but dim {dim} "
                              f"has size {n}")
@@ -215,8 +237,8 @@ def chunk(x, chunks, dim=0):
 
 cdef class CatBackward(Node):
     """y = cat(xs, dim);  dx_i = the slice of g that x_i filled"""
-    cdef list bounds
-    cdef int dim
+    cdef readonly list bounds
+    cdef readonly int dim
     cpdef tuple backward(self, g):
         out = []
         for start, stop in self.bounds:
@@ -270,8 +292,8 @@ def stack(tensors, dim=0):
 
 cdef class TrilBackward(Node):
     """y = tril(x, k) (or triu);  dx = tril(g, k)"""
-    cdef int k
-    cdef bint upper
+    cdef readonly int k
+    cdef readonly bint upper
     cpdef tuple backward(self, g):
         return ((np.triu if self.upper else np.tril)(g, self.k),)
 
@@ -283,7 +305,7 @@ cdef Tensor _tri(object x, int diagonal, bint upper):
                          f"got shape {t._data.shape}")
     cdef Tensor res = Tensor._wrap((np.triu if upper else np.tril)(t._data, diagonal))
     cdef TrilBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = TrilBackward.__new__(TrilBackward)
         node.k, node.upper = diagonal, upper
         _attach(res, node, (t,))
@@ -332,10 +354,10 @@ cdef bint _is_basic(object key):
 
 cdef class IndexBackward(Node):
     """y = x[key];  dx = zeros, then dx[key] += g (repeated indices accumulate)"""
-    cdef object key
-    cdef tuple shape
-    cdef object dtype
-    cdef bint basic
+    cdef readonly object key
+    cdef readonly tuple shape
+    cdef readonly object dtype
+    cdef readonly bint basic
     cpdef tuple backward(self, g):
         key = self.key
         if self.basic:
@@ -345,6 +367,8 @@ cdef class IndexBackward(Node):
                 and dinp.ndim >= 1 and (self.dtype == float32 or self.dtype == float64):
             # the common gather of rows: a Cython scatter-add kernel
             idx = np.where(key < 0, key + self.shape[0], key)
+            if idx.size and (idx.min() < 0 or idx.max() >= self.shape[0]):
+                raise IndexError(f"index out of range in backward of indexing (size {self.shape[0]})")
             rows = dinp.reshape(self.shape[0], -1)
             scatter_add_rows(rows, idx, _contig(g).reshape(len(idx), -1))
         else:
@@ -365,13 +389,24 @@ def getitem(x, key):
     if not isinstance(out, np.ndarray):
         out = np.asarray(out)
     cdef Tensor res = Tensor._wrap(out)
+    cdef bint basic = _is_basic(key)
+    if basic:
+        _share_version(res, t)
     cdef IndexBackward node
-    if _grad_enabled and t._requires_grad:
+    if _grad_on() and t._requires_grad:
         node = IndexBackward.__new__(IndexBackward)
-        node.key, node.shape, node.dtype = key, t._data.shape, t._data.dtype
-        node.basic = _is_basic(key)
+        # index arrays are copied: the caller may change its index tensor before backward
+        node.key = key if basic else _own_key(key)
+        node.shape, node.dtype = t._data.shape, t._data.dtype
+        node.basic = basic
         _attach(res, node, (t,))
     return res
+
+
+cdef object _own_key(object key):
+    if isinstance(key, tuple):
+        return tuple(k.copy() if isinstance(k, np.ndarray) else k for k in key)
+    return key.copy() if isinstance(key, np.ndarray) else key
 
 
 def index_select(x, dim, index):
@@ -408,10 +443,13 @@ cdef object _mm(object x, object y):
 
 cdef class MatmulBackward(Node):
     """y = a @ b;  da = g @ b^T,  db = a^T @ g   (batch dims unbroadcast)"""
-    cdef object a, b
+    cdef readonly object a, b
     cpdef tuple backward(self, g):
         a, b = self.a, self.b
         a1, b1 = a.ndim == 1, b.ndim == 1
+        if a1 and b1:                  # a dot product: g is 0-d
+            return (g * b if self.inputs[0] is not None else None,
+                    g * a if self.inputs[1] is not None else None)
         a2 = a[None, :] if a1 else a
         b2 = b[:, None] if b1 else b
         if a1:
@@ -461,3 +499,13 @@ def matmul(a, b):
         node.a, node.b = x, y
         _attach(res, node, inputs)
     return res
+
+
+# which tensors each rule reads in backward (version checks): none for pure data movement
+declare_saved(ReshapeBackward)
+declare_saved(PermuteBackward)
+declare_saved(ExpandBackward)
+declare_saved(CatBackward)
+declare_saved(TrilBackward)
+declare_saved(IndexBackward)
+declare_saved(MatmulBackward, 0, 1)

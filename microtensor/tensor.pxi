@@ -1,5 +1,8 @@
 # The Tensor: a numpy array plus what autograd needs (requires_grad, grad, grad_fn).
 
+import types as _types
+import weakref as _weakref
+
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
 int64 = np.dtype(np.int64)
@@ -13,6 +16,76 @@ _DTYPE_NAMES = {float32: "float32", float64: "float64", int64: "int64", int32: "
 
 def _dtype_name(dt):
     return _DTYPE_NAMES.get(np.dtype(dt), str(np.dtype(dt)))
+
+
+# ---- dtypes and devices as torch code names them ------------------------------------
+# The core works with numpy dtypes; `mt.float32` and friends are small objects that
+# print as torch's do and compare equal to the numpy dtype (microtensor.dtypes makes
+# them and registers them here, so that t.dtype returns them).
+
+cdef dict _dtype_objects = {}
+cdef object _default_float = float32      # the dtype of Python floats (set_default_dtype)
+
+
+def set_default_float_dtype(dt):
+    global _default_float
+    dt = np.dtype(dt)
+    if dt != float32 and dt != float64:
+        raise TypeError(f"the default dtype must be float32 or float64, got {dt}")
+    _default_float = float32 if dt == float32 else float64
+
+
+def get_default_float_dtype():
+    return _dtype_objects.get(_default_float, _default_float)
+cdef object _cpu_device = "cpu"
+_DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu", "meta", "hip", "xla", "vulkan", "ipu", "hpu")
+
+
+def register_dtypes_and_device(dict dtype_objects, cpu_device):
+    global _cpu_device
+    _dtype_objects.update(dtype_objects)
+    _cpu_device = cpu_device
+
+
+cpdef object check_device(object device):
+    """None or the CPU pass (returned as mt.device('cpu')); any other device is a
+    RuntimeError that names it, as a CPU build of torch answers for CUDA."""
+    if device is None:
+        return None
+    kind = device if isinstance(device, str) else getattr(device, "type", None)
+    if isinstance(device, int) and not isinstance(device, bool):
+        kind = "cuda"
+    if not isinstance(kind, str):
+        raise TypeError(f"not a device: {device!r}")
+    if kind.split(":")[0].strip() == "cpu":
+        return _cpu_device
+    raise RuntimeError(f"device {str(device)!r} is not available: microtensor runs on the CPU "
+                       f"only (mt.cuda.is_available() is False); use device='cpu'")
+
+
+def parse_to_args(args, kwargs):
+    """The arguments of Tensor.to / Module.to: (dtype or None, copy)."""
+    dtype = kwargs.pop("dtype", None)
+    check_device(kwargs.pop("device", None))
+    kwargs.pop("non_blocking", None)
+    kwargs.pop("memory_format", None)
+    copy = bool(kwargs.pop("copy", False))
+    if kwargs:
+        raise TypeError(f"to() got unexpected arguments {sorted(kwargs)}")
+    for arg in args:
+        if isinstance(arg, Tensor):
+            dtype = (<Tensor>arg)._data.dtype
+        elif isinstance(arg, str) and arg.split(":")[0].strip() in _DEVICE_KINDS:
+            check_device(arg)
+        elif hasattr(arg, "type") and not hasattr(arg, "itemsize") and not isinstance(arg, type):
+            check_device(arg)          # an mt.device (or torch.device-like) object
+        elif isinstance(arg, bool):
+            pass                       # non_blocking passed positionally
+        elif isinstance(arg, int):
+            check_device(arg)
+        else:
+            dtype = arg
+    return (as_dtype(dtype) if dtype is not None else None), copy
 
 
 cpdef object as_dtype(object dtype):
@@ -80,11 +153,25 @@ cdef class Tensor:
 
     @property
     def dtype(self):
-        return self._data.dtype
+        d = self._data.dtype
+        return _dtype_objects.get(d, d)
 
     @property
     def device(self):
-        return "cpu"
+        return _cpu_device
+
+    @property
+    def is_cuda(self):
+        return False
+
+    def get_device(self):
+        return -1
+
+    def cuda(self, *args, **kwargs):
+        check_device("cuda")
+
+    def pin_memory(self):
+        return self
 
     def dim(self):
         return self._data.ndim
@@ -142,6 +229,10 @@ cdef class Tensor:
         value = value if isinstance(value, Tensor) else Tensor._wrap(np.asarray(value))
         if value.shape != self.shape:
             raise ShapeError(f"assigned grad has shape {value.shape}, but the tensor has shape {self.shape}")
+        if (<Tensor>value)._data.dtype != self._data.dtype:
+            raise TypeError(
+                f"assigned grad has dtype {_dtype_name((<Tensor>value)._data.dtype)}, but the "
+                f"tensor has dtype {_dtype_name(self._data.dtype)}")
         self._grad = value
 
     @property
@@ -159,6 +250,10 @@ cdef class Tensor:
             raise TypeError(
                 f"only tensors of floating point dtype can require gradients, got dtype "
                 f"{_dtype_name(self._data.dtype)}")
+        if value and self._data.dtype != float32 and self._data.dtype != float64:
+            raise TypeError(
+                f"microtensor computes gradients in float32 and float64; this tensor is "
+                f"{_dtype_name(self._data.dtype)}: convert it with .float() first")
         self._requires_grad = value
 
     def requires_grad_(self, requires_grad=True):
@@ -182,11 +277,21 @@ cdef class Tensor:
     def data(self, value):
         self._data = value._data if isinstance(value, Tensor) else _to_array(value, None)
 
+    @property
+    def _version(self):
+        """How many in-place changes this tensor's storage has had (as torch's t._version)."""
+        return 0 if self._vc is None else (<_VersionCounter>self._vc).value
+
+    cpdef _bump_version(self):
+        """Count one in-place change (in-place ops and optimizers call this)."""
+        _bump(self)
+
     # -- autograd -------------------------------------------------------------
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-        """Accumulate d(self)/d(leaf) * gradient into every leaf's .grad."""
-        if create_graph:
-            raise NotImplementedError("create_graph=True (higher-order gradients) is not supported")
+        """Accumulate d(self)/d(leaf) * gradient into every leaf's .grad.
+        With create_graph=True the gradients are themselves differentiable."""
+        if retain_graph is None:
+            retain_graph = create_graph
         if not self._requires_grad:
             raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
         if gradient is None:
@@ -202,10 +307,14 @@ cdef class Tensor:
                     f"gradient has shape {g.shape} but the output has shape {self._data.shape}")
             if g.dtype != self._data.dtype:
                 g = g.astype(self._data.dtype)
-        run_backward([self], [g], bool(retain_graph))
+            if create_graph and isinstance(gradient, Tensor) and (<Tensor>gradient)._data is g:
+                g = gradient          # keep its graph: the result may be differentiated by it
+        run_backward([self], [g], bool(retain_graph), None, True, bool(create_graph))
 
     def detach(self):
-        return Tensor._wrap(self._data)
+        cdef Tensor t = Tensor._wrap(self._data)
+        _share_version(t, self)
+        return t
 
     def detach_(self):
         self._node = None
@@ -216,17 +325,21 @@ cdef class Tensor:
         """Keep .grad on this non-leaf tensor after backward."""
         if self._node is None:
             return
-        self._node._retained = self
+        # a weak reference: the node must not keep its own output alive (a cycle)
+        self._node._retained = _weakref.ref(self)
 
     @property
     def retains_grad(self):
-        return self._node is not None and self._node._retained is self
+        return (self._node is not None and self._node._retained is not None
+                and self._node._retained() is self)
 
     def register_hook(self, hook):
         """hook(grad) runs when this tensor's gradient is computed; it may return a
         replacement gradient. Returns a handle whose remove() unregisters it."""
         if not self._requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         if self._node is not None:
             if self._node._hooks is None:
                 self._node._hooks = []
@@ -238,13 +351,26 @@ cdef class Tensor:
         lst.append(hook)
         return _HookHandle(lst, hook)
 
+    def register_post_accumulate_grad_hook(self, hook):
+        """hook(tensor) runs on a leaf once its .grad holds this backward pass's full
+        gradient, while the rest of backward still runs (as in torch). Returns a handle."""
+        if self._node is not None:
+            raise RuntimeError("post accumulate grad hooks cannot be registered on non-leaf tensors")
+        if not self._requires_grad:
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if self._post_hooks is None:
+            self._post_hooks = []
+        self._post_hooks.append(hook)
+        return _HookHandle(self._post_hooks, hook)
+
     # -- conversions ------------------------------------------------------------
-    def to(self, dtype=None, *args, **kwargs):
-        if isinstance(dtype, str) and dtype in ("cpu",):
-            return self
-        dtype = as_dtype(kwargs.get("dtype", dtype))
+    def to(self, *args, **kwargs):
+        """t.to(dtype), t.to("cpu"), t.to(other), t.to(device, dtype, copy=...)"""
+        dtype, copy = parse_to_args(args, dict(kwargs))
         if dtype is None or dtype == self._data.dtype:
-            return self
+            return _cast(self, self._data.dtype, True) if copy else self
         return _cast(self, dtype)
 
     def type(self, dtype):
@@ -338,10 +464,16 @@ cdef class Tensor:
 
     # -- in-place updates (no graph: for initialisers and optimisers) ----------
     cdef _check_inplace(self):
-        if _grad_enabled and self._requires_grad and self._node is None:
+        """Every in-place op starts here: refuse a leaf that requires grad (in grad
+        mode), and count the change, so backward can tell a saved tensor was modified."""
+        if _grad_on() and self._requires_grad and self._node is None:
             raise RuntimeError(
                 "a leaf tensor that requires grad is being used in an in-place operation; "
                 "wrap it in `with mt.no_grad():` or update `t.data`")
+        if not self._data.flags.writeable:
+            raise RuntimeError("this tensor's storage is read-only (an expanded or broadcast "
+                               "view); clone() it before changing it in place")
+        _bump(self)
 
     def zero_(self):
         self._check_inplace()
@@ -395,11 +527,15 @@ cdef class Tensor:
         return self
 
     def __setitem__(self, key, value):
-        if _grad_enabled and self._requires_grad:
+        if _grad_on() and self._requires_grad:
             raise RuntimeError(
                 "index assignment into a tensor that requires grad is not differentiable here; "
                 "do it under `with mt.no_grad():` or build the tensor with mt.where / masked_fill")
+        if not self._data.flags.writeable:
+            raise RuntimeError("this tensor's storage is read-only (an expanded or broadcast "
+                               "view); clone() it before changing it in place")
         self._data[_index_key(key)] = _to_array(value, None)
+        _bump(self)
 
 
     # -- operations as methods (the functions live in ops_*.pxi) -----------------
@@ -413,6 +549,10 @@ cdef class Tensor:
     def __rtruediv__(self, other): return div(other, self)
     def __pow__(self, other, mod=None): return pow(self, other)
     def __rpow__(self, other, mod=None): return pow(other, self)
+    def __floordiv__(self, other): return floor_divide(self, other)
+    def __rfloordiv__(self, other): return floor_divide(other, self)
+    def __mod__(self, other): return remainder(self, other)
+    def __rmod__(self, other): return remainder(other, self)
     def __matmul__(self, other): return matmul(self, other)
     def __rmatmul__(self, other): return matmul(other, self)
     def __neg__(self): return neg(self)
@@ -464,7 +604,7 @@ cdef class Tensor:
     def log_softmax(self, dim): return log_softmax(self, dim)
     def logsumexp(self, dim, keepdim=False): return logsumexp(self, dim, keepdim)
     def reshape(self, *shape): return reshape(self, *shape)
-    def view(self, *shape): return reshape(self, *shape)
+    def view(self, *shape): return view(self, *shape)
     def view_as(self, other): return reshape(self, other.shape)
     def reshape_as(self, other): return reshape(self, other.shape)
     def transpose(self, dim0, dim1): return transpose(self, dim0, dim1)
@@ -496,6 +636,35 @@ cdef class Tensor:
     def maximum(self, other): return maximum(self, other)
     def minimum(self, other): return minimum(self, other)
     def where(self, condition, other): return where(condition, self, other)
+    def floor_divide(self, other): return floor_divide(self, other)
+    def remainder(self, other): return remainder(self, other)
+
+    def __getattr__(self, name):
+        # methods registered from Python (register_tensor_method) are found here, after
+        # the class's own attributes
+        fn = _tensor_methods.get(name)
+        if fn is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return _types.MethodType(fn, self)
+
+
+cdef dict _tensor_methods = {}
+
+
+def register_tensor_method(name, fn):
+    """Make `t.name(*args, **kwargs)` call `fn(t, *args, **kwargs)`: how ops written in
+    Python become Tensor methods without touching the compiled class."""
+    if not callable(fn):
+        raise TypeError(f"register_tensor_method: {name!r} needs a callable")
+    if name in Tensor.__dict__:
+        raise ValueError(f"Tensor already has an attribute {name!r}")
+    _tensor_methods[name] = fn
+    return fn
+
+
+def registered_tensor_methods():
+    """The names registered with register_tensor_method."""
+    return sorted(_tensor_methods)
 
 
 class _HookHandle:
@@ -536,15 +705,15 @@ cdef object _to_array(object data, object dtype):
     elif isinstance(data, int):
         a = np.array(data, dtype=int64)
     elif isinstance(data, float):
-        a = np.array(data, dtype=float32)
+        a = np.array(data, dtype=_default_float)
     elif isinstance(data, np.generic):
         a = np.asarray(data)
     else:
         if isinstance(data, (list, tuple)) and any(isinstance(x, Tensor) for x in data):
             data = [x._data if isinstance(x, Tensor) else x for x in data]
         a = np.asarray(data)
-        if a.dtype == float64:
-            a = a.astype(float32)
+        if a.dtype == float64 and _default_float is not float64:
+            a = a.astype(_default_float)
         elif a.dtype.kind == "i":
             a = a.astype(int64)
         elif a.dtype.kind not in "fb":
@@ -554,8 +723,9 @@ cdef object _to_array(object data, object dtype):
     return a
 
 
-def tensor(data, dtype=None, requires_grad=False):
+def tensor(data, dtype=None, device=None, requires_grad=False):
     """A new tensor holding a copy of `data` (a list, scalar, numpy array or tensor)."""
+    check_device(device)
     a = _to_array(data, as_dtype(dtype))
     if isinstance(data, (np.ndarray, Tensor)) and (a is data or isinstance(data, Tensor) and a is (<Tensor>data)._data):
         a = a.copy()
@@ -594,19 +764,23 @@ cdef Tensor _new(object array, bint requires_grad):
     return t
 
 
-def zeros(*shape, dtype=None, requires_grad=False):
-    return _new(np.zeros(_shape_arg(shape), dtype=as_dtype(dtype) or float32), requires_grad)
+def zeros(*shape, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.zeros(_shape_arg(shape), dtype=as_dtype(dtype) or _default_float), requires_grad)
 
 
-def ones(*shape, dtype=None, requires_grad=False):
-    return _new(np.ones(_shape_arg(shape), dtype=as_dtype(dtype) or float32), requires_grad)
+def ones(*shape, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.ones(_shape_arg(shape), dtype=as_dtype(dtype) or _default_float), requires_grad)
 
 
-def empty(*shape, dtype=None, requires_grad=False):
-    return _new(np.empty(_shape_arg(shape), dtype=as_dtype(dtype) or float32), requires_grad)
+def empty(*shape, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.empty(_shape_arg(shape), dtype=as_dtype(dtype) or _default_float), requires_grad)
 
 
-def full(shape, fill_value, dtype=None, requires_grad=False):
+def full(shape, fill_value, dtype=None, device=None, requires_grad=False):
+    check_device(device)
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     if dtype is None:
@@ -614,31 +788,36 @@ def full(shape, fill_value, dtype=None, requires_grad=False):
     return _new(np.full(_shape_arg(tuple(shape)), fill_value, dtype=as_dtype(dtype)), requires_grad)
 
 
-def zeros_like(t, dtype=None, requires_grad=False):
+def zeros_like(t, dtype=None, device=None, requires_grad=False):
+    check_device(device)
     return _new(np.zeros(t.shape, dtype=as_dtype(dtype) or t.dtype), requires_grad)
 
 
-def ones_like(t, dtype=None, requires_grad=False):
+def ones_like(t, dtype=None, device=None, requires_grad=False):
+    check_device(device)
     return _new(np.ones(t.shape, dtype=as_dtype(dtype) or t.dtype), requires_grad)
 
 
-def full_like(t, fill_value, dtype=None, requires_grad=False):
+def full_like(t, fill_value, dtype=None, device=None, requires_grad=False):
+    check_device(device)
     return _new(np.full(t.shape, fill_value, dtype=as_dtype(dtype) or t.dtype), requires_grad)
 
 
-def arange(start, stop=None, step=1, dtype=None, requires_grad=False):
+def arange(start, stop=None, step=1, dtype=None, device=None, requires_grad=False):
+    check_device(device)
     if stop is None:
         start, stop = 0, start
     if step == 0:
         raise ValueError("arange: step must be nonzero")
     if dtype is None:
         ints = all(isinstance(v, (int, np.integer)) for v in (start, stop, step))
-        dtype = int64 if ints else float32
+        dtype = int64 if ints else _default_float
     return _new(np.arange(start, stop, step, dtype=as_dtype(dtype)), requires_grad)
 
 
-def linspace(start, end, steps, dtype=None, requires_grad=False):
-    return _new(np.linspace(start, end, steps, dtype=as_dtype(dtype) or float32), requires_grad)
+def linspace(start, end, steps, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.linspace(start, end, steps, dtype=as_dtype(dtype) or _default_float), requires_grad)
 
 
 # -- random numbers: one generator, reseeded by manual_seed ------------------
@@ -673,17 +852,20 @@ def set_rng_state(state):
     _rng = np.random.Generator(bg)
 
 
-def randn(*shape, dtype=None, requires_grad=False):
-    dt = as_dtype(dtype) or float32
+def randn(*shape, dtype=None, device=None, requires_grad=False, generator=None):
+    check_device(device)
+    dt = as_dtype(dtype) or _default_float
     return _new(_rng.standard_normal(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
 
 
-def rand(*shape, dtype=None, requires_grad=False):
-    dt = as_dtype(dtype) or float32
+def rand(*shape, dtype=None, device=None, requires_grad=False, generator=None):
+    check_device(device)
+    dt = as_dtype(dtype) or _default_float
     return _new(_rng.random(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
 
 
-def randint(low, high=None, size=None, dtype=None):
+def randint(low, high=None, size=None, dtype=None, device=None, generator=None):
+    check_device(device)
     if size is None and isinstance(high, (tuple, list)):
         low, high, size = 0, low, high
     if high is None:
@@ -695,7 +877,8 @@ def randint(low, high=None, size=None, dtype=None):
     return _new(_rng.integers(low, high, _shape_arg(tuple(size)), dtype=as_dtype(dtype) or int64), False)
 
 
-def randperm(n, dtype=None):
+def randperm(n, dtype=None, device=None, generator=None):
+    check_device(device)
     return _new(_rng.permutation(int(n)).astype(as_dtype(dtype) or int64), False)
 
 

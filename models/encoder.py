@@ -159,7 +159,7 @@ class EncoderDecoder(nn.Module):
         loss = None
         if targets is not None:
             ignore = -100 if self.pad_id is None else self.pad_id
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1),
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=ignore)  # (B*T, vocab) vs (B*T,)
         return logits, loss
 

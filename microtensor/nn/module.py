@@ -17,7 +17,7 @@ from itertools import islice
 
 import numpy as np
 
-from microtensor._core import Tensor, Parameter, as_dtype
+from microtensor._core import Tensor, Parameter, as_dtype, parse_to_args
 from microtensor.nn.utils import zero_grads
 
 
@@ -319,21 +319,10 @@ class Module:
     def to(self, *args, **kwargs):
         """Cast floating parameters and buffers (and their gradients) to a dtype, in
         place: the Parameter objects stay the same, so optimizers and tied weights keep
-        pointing at them. Only a dtype (or "cpu") is accepted."""
-        dtype = kwargs.pop("dtype", None)
-        kwargs.pop("device", None)
-        if kwargs:
-            raise TypeError(f"to() got unexpected arguments {sorted(kwargs)}")
-        for arg in args:
-            if isinstance(arg, str) and arg == "cpu":
-                continue
-            if isinstance(arg, Tensor):
-                dtype = arg.dtype
-            else:
-                dtype = arg
+        pointing at them. A device other than the CPU is a RuntimeError naming it."""
+        dtype, _ = parse_to_args(args, dict(kwargs))
         if dtype is None:
             return self
-        dtype = as_dtype(dtype)
         if dtype.kind != "f":
             raise TypeError(f"nn.Module.to only accepts floating point dtypes, but got {dtype}")
         return self._cast_floating(dtype)
