@@ -11,6 +11,7 @@ Scenarios:
                 with --leaf-hooks, DDP's stand-in for a core without post-accumulate hooks
   stuck         rank 1 never reaches the collective that rank 0 waits in
   die           rank 1 exits abruptly in the middle of training
+  raises        rank 1 ends with an uncaught exception
 """
 import json
 import os
@@ -195,10 +196,22 @@ def die(out_dir):
     print("rank 0 trained on alone", flush=True)
 
 
+def raises(out_dir):
+    """Rank 1 stops with an uncaught exception; rank 0 waits in a collective."""
+    import microtensor as mt
+    import microtensor.distributed as dist
+    rank, _ = dist.init()
+    dist.barrier()
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.all_reduce(mt.ones(4))
+    print("rank 0 was not stopped", flush=True)
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]
     if "--leaf-hooks" in sys.argv:
         # DDP's stand-in for cores without post-accumulate hooks, tested on this core too
         import microtensor.nn.parallel
         microtensor.nn.parallel._has_post_accumulate_hooks = lambda: False
-    {"correctness": correctness, "stuck": stuck, "die": die}[scenario](out)
+    {"correctness": correctness, "stuck": stuck, "die": die, "raises": raises}[scenario](out)

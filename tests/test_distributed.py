@@ -231,6 +231,15 @@ def test_dead_rank_ends_the_job(tmp_path):
     assert seconds < 30, f"the job took {seconds:.1f} s to end"
 
 
+@needs_mpi
+def test_exception_on_one_rank_ends_the_job_at_once(tmp_path):
+    proc, seconds = launch("raises", tmp_path, timeout=60, limit=60)
+    assert proc.returncode != 0
+    assert "rank 0 was not stopped" not in proc.stdout
+    assert "ValueError: rank 1 gives up" in proc.stderr
+    assert seconds < 30, f"the job took {seconds:.1f} s to end (the timeout is 60 s)"
+
+
 # ---- one process, no MPI ---------------------------------------------------------------
 
 SINGLE = r"""
@@ -292,3 +301,56 @@ def test_bad_arguments_raise():
         mt.nn.parallel.DistributedDataParallel(mt.nn.Linear(2, 2), bucket_cap_mb=0)
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         mt.nn.parallel.DistributedDataParallel(lambda x: x)
+
+
+# ---- examples/train_char.py --ddp -----------------------------------------------------
+
+ROOT = os.path.dirname(HERE)
+TRAIN_CHAR = os.path.join(ROOT, "examples", "train_char.py")
+TINY_RUN = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "16",
+            "--batch_size", "4", "--threads", "1", "--eval_iters", "2", "--sample_chars", "0",
+            "--warmup_iters", "2", "--lr_decay_iters", "6", "--lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    rng = np.random.default_rng(0)
+    words = ["the", "rank", "sends", "its", "gradient", "to", "every", "other", "and", "waits"]
+    path.write_text(" ".join(rng.choice(words, size=6000)) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def train_char(out_dir, text_file, *options, ranks=WORLD):
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, TRAIN_CHAR, "--ddp", "--data", text_file,
+           "--out_dir", str(out_dir), *TINY_RUN, *options]
+    return subprocess.run(cmd, capture_output=True, text=True, env=child_env(60), timeout=120,
+                          cwd=ROOT)
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.csv")) as f:
+        return [line.split(",") for line in f.read().splitlines()[1:]]
+
+
+@needs_mpi
+def test_train_char_ddp_rank_0_alone_writes(tmp_path, text_file):
+    proc = train_char(tmp_path, text_file, "--max_iters", "2", "--eval_interval", "2")
+    assert proc.returncode == 0, proc.stderr
+    # one log (rank 0's), counting the tokens of both ranks: 2 ranks x 4 x 16
+    assert proc.stdout.count("iter 2:") == 1, proc.stdout
+    assert "128 tokens per step" in proc.stdout
+    assert [row[0] for row in metrics(tmp_path)] == ["0", "2"]
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [
+        "ckpt_best.safetensors", "ckpt_last.safetensors", "loss.png", "metrics.csv"]
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_train_char_ddp_resume_replays_an_uninterrupted_run(tmp_path, text_file):
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert train_char(whole, text_file, "--max_iters", "6", "--eval_interval", "3").returncode == 0
+    assert train_char(halves, text_file, "--max_iters", "3", "--eval_interval", "3").returncode == 0
+    proc = train_char(halves, text_file, "--max_iters", "6", "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert metrics(halves)[-1][:4] == metrics(whole)[-1][:4]   # iter, losses, lr
