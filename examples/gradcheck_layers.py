@@ -6,6 +6,11 @@ element by element, and the verdict comes from mt.gradcheck. Models take int64 t
 ids, so for them the checked inputs are parameters: mt.gradcheck perturbs a tensor in
 place, and a parameter perturbed in place is seen by the model's next forward.
 
+The second-order columns (2nd abs, 2nd rel) check gradients of gradients the same way
+(mt.gradgradcheck's comparison): the gradient of the first-order backward, built with
+create_graph=True, against central differences of it; by default along a few random
+directions (fast mode), with --second_order full at every element.
+
     python examples/gradcheck_layers.py            # the whole table, exits 1 on a failure
     python examples/gradcheck_layers.py -k gpt     # only cases whose name contains "gpt"
 
@@ -21,7 +26,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 import microtensor as mt  # noqa: E402
-from microtensor.gradcheck import compare_gradients  # noqa: E402
+from microtensor.gradcheck import compare_gradients, first_order_vjp  # noqa: E402
 from models import (GPT, GPTConfig, MultiHeadAttention,  # noqa: E402
                     SinusoidalPositionalEncoding, LearnedPositionalEmbedding, RotaryEmbedding,
                     FeedForward, TransformerBlock, Encoder, EncoderDecoder)
@@ -35,6 +40,7 @@ B, T, C, NH = 2, 5, 8, 2      # batch, sequence, width, heads (head size 4)
 S = 4                         # context length for cross-attention
 VOCAB, BLOCK = 7, 6
 EPS, ATOL, RTOL = 1e-6, 1e-5, 1e-3
+SECOND_ORDER_DIRECTIONS = 6   # random directions of the second-order check (fast mode)
 
 
 def leaf(*shape):
@@ -223,12 +229,11 @@ CASES = [
 
 # ---- measuring ---------------------------------------------------------------------------
 
-def errors(fn, inputs):
-    """(max abs error, max rel error, passed) of the analytic against the central-difference
-    gradients (mt.gradcheck's comparison, one pass of central differences)."""
+def measure(comparisons):
+    """(max abs error, max rel error, passed) over (index, analytic, numeric) triples."""
     worst_abs = worst_rel = 0.0
     passed = True
-    for _, analytic, numeric in compare_gradients(fn, inputs, eps=EPS):
+    for _, analytic, numeric in comparisons:
         err = np.abs(analytic - numeric)
         worst_abs = max(worst_abs, float(err.max(initial=0.0)))
         passed = passed and bool((err <= ATOL + RTOL * np.abs(numeric)).all())
@@ -239,12 +244,39 @@ def errors(fn, inputs):
     return worst_abs, worst_rel, passed
 
 
-def run_case(name, build):
+def errors(fn, inputs):
+    """(max abs error, max rel error, passed) of the analytic against the central-difference
+    gradients (mt.gradcheck's comparison, one pass of central differences)."""
+    return measure(compare_gradients(fn, inputs, eps=EPS))
+
+
+def second_order_errors(fn, inputs, full=False):
+    """The same for gradients of gradients (mt.gradgradcheck's comparison): the gradient of
+    the first-order VJP (x, u) -> d<u, fn(x)>/dx, built with create_graph=True, against
+    central differences of it, with respect to the inputs and the upstream gradients u.
+    By default along SECOND_ORDER_DIRECTIONS random directions (fast mode: two passes per
+    direction); full=True: every element (two passes per element, minutes per model)."""
+    mt.manual_seed(0)
+    outputs = fn(*inputs)
+    outputs = [outputs] if isinstance(outputs, mt.Tensor) else list(outputs)
+    rng = np.random.default_rng(1)
+    upstream = [mt.tensor(rng.standard_normal(o.shape), requires_grad=True)
+                for o in outputs if o.dtype.kind == "f"]
+    vjp = first_order_vjp(fn, inputs, upstream)
+    return measure(compare_gradients(vjp, list(inputs) + upstream, eps=EPS,
+                                     directions=None if full else SECOND_ORDER_DIRECTIONS))
+
+
+def run_case(name, build, second_order="fast"):
+    """Both checks of one case; second_order: "fast", "full" or "off" (None errors)."""
     mt.manual_seed(0)
     fn, inputs, names = build()
     n_elements = sum(t.numel() for t in inputs)
     abs_err, rel_err, passed = errors(fn, inputs)
-    return names, n_elements, abs_err, rel_err, passed
+    second = None
+    if second_order != "off":
+        second = second_order_errors(fn, inputs, full=second_order == "full")
+    return names, n_elements, abs_err, rel_err, passed, second
 
 
 def main(argv=None):
@@ -262,6 +294,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=_cli.nonnegative_int, default=1,
                         help="microtensor kernel threads, 0 = the library's default (tiny "
                              "tensors: one is fastest; default: 1)")
+    parser.add_argument("--second_order", choices=["fast", "full", "off"], default="fast",
+                        help="the gradgradcheck column: fast checks "
+                             f"{SECOND_ORDER_DIRECTIONS} random directions per case, full "
+                             "every element (many minutes), off skips it (default: fast)")
     args = parser.parse_args(argv)
     if args.threads > 0:
         mt.set_num_threads(args.threads)
@@ -272,17 +308,26 @@ def main(argv=None):
     failures = 0
     width = max(len(n) for n, _ in cases)
     print(f"{'layer':<{width}}  {'checked (tensors, elements)':>27}  {'max abs':>9}  "
-          f"{'max rel':>9}  result")
+          f"{'max rel':>9}  {'2nd abs':>9}  {'2nd rel':>9}  result")
     for name, build in cases:
-        names, n, abs_err, rel_err, passed = run_case(name, build)
+        names, n, abs_err, rel_err, passed, second = run_case(name, build, args.second_order)
+        if second is None:
+            second_text = f"{'-':>9}  {'-':>9}"
+        else:
+            second_text = f"{second[0]:9.2e}  {second[1]:9.2e}"
+            passed = passed and second[2]
         failures += not passed
         print(f"{name:<{width}}  {f'{len(names)}, {n}':>27}  {abs_err:9.2e}  {rel_err:9.2e}  "
-              f"{'pass' if passed else 'FAIL'}", flush=True)
+              f"{second_text}  {'pass' if passed else 'FAIL'}", flush=True)
         if args.verbose:
             print("    " + ", ".join(names))
+    how = {"fast": f"along {SECOND_ORDER_DIRECTIONS} random directions through the inputs and "
+                   "the upstream gradients", "full": "every element of the inputs and the "
+                   "upstream gradients", "off": "not checked"}[args.second_order]
     print(f"{len(cases) - failures}/{len(cases)} passed in {time.time() - t0:.1f}s "
           f"(float64, eps={EPS}; pass: |analytic - numeric| <= {ATOL} + {RTOL} * |numeric| "
-          f"everywhere; max rel is over elements with |numeric| > {ATOL})")
+          f"everywhere; max rel is over elements with |numeric| > {ATOL}; 2nd: gradients of "
+          f"gradients (create_graph=True), {how})")
     return 1 if failures else 0
 
 

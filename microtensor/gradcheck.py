@@ -15,13 +15,19 @@ def _outputs_of(fn, inputs):
     return [o for o in out if isinstance(o, Tensor)]
 
 
-def compare_gradients(fn, inputs, eps=1e-6, seed=0):
+def compare_gradients(fn, inputs, eps=1e-6, seed=0, directions=None):
     """Analytic and central-difference gradients of <u, fn(inputs)>, u a random upstream
     gradient (an all-ones one hides bugs such as a missing transpose):
         analytic:  autograd's backward of u
         numerical: (<u, fn(x + eps e_i)> - <u, fn(x - eps e_i)>) / (2 eps)
     Returns [(input index, analytic, numerical)] for every float64 input requiring grad,
-    as float64 numpy arrays of the input's shape."""
+    as float64 numpy arrays of the input's shape.
+
+    With directions=n (fast mode, as torch's fast_mode): instead of one central
+    difference per element, n of them along random unit directions d through all the
+    checked inputs at once, against the analytic <gradient, d>. Returns
+    [(None, analytic (n,), numerical (n,))]: two evaluations per direction, whatever the
+    number of elements, at the price of checking projections only."""
     if isinstance(inputs, Tensor):
         inputs = (inputs,)
     inputs = tuple(inputs)
@@ -54,6 +60,12 @@ def compare_gradients(fn, inputs, eps=1e-6, seed=0):
         return sum(float(np.sum(v._data.astype(np.float64) * u)) for v, u in zip(vals, upstream)
                    if u is not None)
 
+    grads = [np.zeros(inputs[i].shape) if g is None else g._data.astype(np.float64)
+             for i, g in zip(checked, analytic)]
+    if directions is not None:
+        return [(None,) + _along_directions(objective, [inputs[i]._data for i in checked],
+                                            grads, eps, directions, rng)]
+
     result = []
     for k, i in enumerate(checked):
         x = inputs[i]._data
@@ -74,7 +86,27 @@ def compare_gradients(fn, inputs, eps=1e-6, seed=0):
     return result
 
 
-def _verdict(results, atol, rtol, raise_exception, what, name=lambda i: f"input {i}"):
+def _along_directions(objective, arrays, grads, eps, n, rng):
+    """(analytic <grad, d>, central difference along d) for n random unit directions d."""
+    saved = [np.array(x, copy=True) for x in arrays]
+    analytic, numerical = np.zeros(n), np.zeros(n)
+    for k in range(n):
+        d = [rng.standard_normal(x.shape) for x in arrays]
+        norm = np.sqrt(sum(float(np.sum(v * v)) for v in d))
+        d = [v / norm for v in d]
+        analytic[k] = sum(float(np.sum(g * v)) for g, v in zip(grads, d))
+        values = []
+        for sign in (1.0, -1.0):
+            for x, x0, v in zip(arrays, saved, d):
+                np.copyto(x, x0 + sign * eps * v)        # in place: fn sees its own tensors
+            values.append(objective())
+        for x, x0 in zip(arrays, saved):
+            np.copyto(x, x0)
+        numerical[k] = (values[0] - values[1]) / (2 * eps)
+    return analytic, numerical
+
+
+def _verdict(results, atol, rtol, raise_exception, what, name):
     """True if every element passes |analytic - numerical| <= atol + rtol |numerical|;
     else a report of the worst element of each failing input (raised or False)."""
     ok = True
@@ -98,15 +130,24 @@ def _verdict(results, atol, rtol, raise_exception, what, name=lambda i: f"input 
 
 
 def gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, raise_exception=True, seed=0,
-              nondet_tol=0.0):
+              nondet_tol=0.0, fast_mode=False, directions=8):
     """Check the analytic gradient of `fn` at `inputs` against central differences
     (see compare_gradients): every element must satisfy
     |analytic - numerical| <= atol + rtol * |numerical|.
     Returns True; on a mismatch raises GradcheckError (or returns False) with a report
     naming the input, the worst element, both values and the error.
+    fast_mode=True checks `directions` random projections instead of every element.
     """
-    return _verdict(compare_gradients(fn, inputs, eps, seed), atol, rtol, raise_exception,
-                    "Jacobian")
+    results = compare_gradients(fn, inputs, eps, seed, directions if fast_mode else None)
+    return _verdict(results, atol, rtol, raise_exception, "Jacobian", _name(None))
+
+
+def _name(n_inputs):
+    def name(i):
+        if i is None:
+            return "random directions (fast mode)"
+        return f"input {i}" if n_inputs is None or i < n_inputs else f"grad_output {i - n_inputs}"
+    return name
 
 
 def first_order_vjp(fn, inputs, grad_outputs):
@@ -130,7 +171,7 @@ def first_order_vjp(fn, inputs, grad_outputs):
 
 
 def gradgradcheck(fn, inputs, grad_outputs=None, eps=1e-6, atol=1e-5, rtol=1e-3,
-                  raise_exception=True, seed=0):
+                  raise_exception=True, seed=0, fast_mode=False, directions=8):
     """Check second derivatives: gradcheck of the first-order vector-Jacobian product
         (x, u) -> d<u, fn(x)>/dx      (built with create_graph=True)
     with respect to both x and u. Its analytic gradient is a second-order VJP, made of
@@ -138,7 +179,8 @@ def gradgradcheck(fn, inputs, grad_outputs=None, eps=1e-6, atol=1e-5, rtol=1e-3,
     differences of first-order VJPs. u (grad_outputs) defaults to random float64
     upstream gradients, one per floating output of fn; the check's own upstream
     gradient is random too. Returns True, or raises GradcheckError (or returns False)
-    naming the input or grad_output, the worst element, both values and the error."""
+    naming the input or grad_output, the worst element, both values and the error.
+    fast_mode=True checks `directions` random projections instead of every element."""
     if isinstance(inputs, Tensor):
         inputs = (inputs,)
     inputs = tuple(inputs)
@@ -155,11 +197,7 @@ def gradgradcheck(fn, inputs, grad_outputs=None, eps=1e-6, atol=1e-5, rtol=1e-3,
             raise TypeError(f"gradgradcheck: grad_outputs must be float64, got {u.dtype}")
         # a private copy that requires grad: it is perturbed in place like an input
         us.append(wrap(np.array(u._data, dtype=np.float64)).requires_grad_())
-    n = len(inputs)
-
-    def name(i):
-        return f"input {i}" if i < n else f"grad_output {i - n}"
-
-    results = compare_gradients(first_order_vjp(fn, inputs, us), inputs + tuple(us), eps, seed)
+    results = compare_gradients(first_order_vjp(fn, inputs, us), inputs + tuple(us), eps, seed,
+                                directions if fast_mode else None)
     return _verdict(results, atol, rtol, raise_exception, "second-order (gradient of gradient)",
-                    name)
+                    _name(len(inputs)))

@@ -223,6 +223,15 @@ def test_gradgradcheck_catches_a_rule_built_from_saved_arrays(monkeypatch):
     with pytest.raises(mt.autograd.GradcheckError, match="second-order .* input 0"):
         mt.gradgradcheck(mt.tanh, [x])
     assert mt.gradgradcheck(mt.tanh, [x], raise_exception=False) is False
+    # fast mode (random projections, two evaluations per direction) sees it too
+    assert mt.gradgradcheck(mt.tanh, [x], fast_mode=True, raise_exception=False) is False
+
+
+def test_fast_mode_passes_correct_rules():
+    x, w = leaf(3, 4), leaf(5, 4)
+    fn = (lambda x, w: F.gelu(F.linear(x, w)).tanh())
+    assert mt.gradcheck(fn, [x, w], fast_mode=True)
+    assert mt.gradgradcheck(fn, [x, w], fast_mode=True)
 
 
 def test_gradgradcheck_catches_a_wrong_fused_rule(monkeypatch):
@@ -349,3 +358,15 @@ def test_double_backprop_trains_and_matches_torch():
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose([h[1:] for h in history], [h[1:] for h in t_history], rtol=1e-10)
+
+
+# ---- examples/gradcheck_layers.py's second-order column ------------------------------------
+
+@pytest.mark.parametrize("case", ["mha causal rope", "block postnorm rmsnorm", "gpt defaults",
+                                  "encoder-decoder prenorm untied"])
+def test_gradcheck_layers_second_order_column(case):
+    example = load_example("gradcheck_layers")
+    mt.manual_seed(0)
+    fn, inputs, _ = dict(example.CASES)[case]()
+    abs_err, rel_err, passed = example.second_order_errors(fn, inputs)
+    assert passed and rel_err < 1e-5, (abs_err, rel_err)
