@@ -38,37 +38,15 @@ def pin_blas_threads():
     global _pinned
     if _pinned is not None:
         return _pinned
-    import ctypes
-    import glob
-    import os
-    import scipy
-    import scipy.linalg.cython_blas  # loads the library, so it shows in /proc/self/maps
-    paths = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(None, 5)[-1]
-                if "openblas" in os.path.basename(path).lower() and "numpy" not in path:
-                    paths.append(path)
-    except OSError:
-        pass
-    scipy_dir = os.path.dirname(os.path.abspath(scipy.__file__))
-    paths += glob.glob(os.path.join(scipy_dir + ".libs", "*openblas*"))
-    paths += glob.glob(os.path.join(scipy_dir, ".dylibs", "*openblas*"))
-    _pinned = False
-    for path in dict.fromkeys(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix, suffix in (("scipy_openblas_", ""), ("scipy_openblas_", "64_"), ("openblas_", "")):
-            put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
-            if put is not None:
-                put.argtypes = [ctypes.c_int]
-                put(1)
-                _pinned = True
-                return True
-    return False
+    import scipy.linalg.cython_blas  # noqa: F401  (loads the library, so it can be found)
+    from threadpoolctl import ThreadpoolController
+    # numpy's OpenBLAS is another library (numpy's own `@`): left alone
+    libs = [lib for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers
+            if "numpy" not in lib.filepath]
+    for lib in libs:
+        lib.set_num_threads(1)
+    _pinned = bool(libs)
+    return _pinned
 
 
 # ---- the kernel ---------------------------------------------------------------------

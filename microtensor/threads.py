@@ -3,8 +3,8 @@
 microtensor's matmuls go through numpy, so through whatever BLAS numpy was built with
 (usually OpenBLAS, shipped inside the numpy wheel as `scipy_openblas`). That library
 reads OPENBLAS_NUM_THREADS once, when it is loaded; to change it afterwards one calls
-its `openblas_set_num_threads`, which this module finds with ctypes among the shared
-libraries mapped into the process (/proc/self/maps), so no extra dependency is needed.
+its `openblas_set_num_threads`. threadpoolctl finds the OpenBLAS libraries loaded into
+the process and calls it for us.
 
     from microtensor.threads import set_blas_threads, blas_info
     set_blas_threads(2)          # numpy's OpenBLAS (numpy's own `@`)
@@ -16,91 +16,25 @@ import ctypes
 import os
 
 import numpy as np  # noqa: F401  (importing numpy is what loads its BLAS)
+from threadpoolctl import ThreadpoolController
 
 from microtensor import _core
 
-# The exported names differ by build: the wheels' scipy-openblas prefixes and suffixes
-# them (the 64 is the 64-bit-integer interface), a system OpenBLAS does not.
-_PREFIXES = ("scipy_openblas_", "openblas_")
-_SUFFIXES = ("64_", "")
-
-
-def _mapped_blas_paths():
-    """Paths of the OpenBLAS shared libraries mapped into this process (Linux only)."""
-    paths = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 6:
-                    continue
-                path = parts[-1]
-                name = os.path.basename(path).lower()
-                if "openblas" in name and ".so" in name and path not in paths:
-                    paths.append(path)
-    except OSError:  # not Linux: nothing to find
-        pass
-    return paths
-
-
-def _symbol(lib, stem):
-    for prefix in _PREFIXES:
-        for suffix in _SUFFIXES:
-            fn = getattr(lib, f"{prefix}{stem}{suffix}", None)
-            if fn is not None:
-                return fn
-    return None
-
-
-class _Blas:
-    """One loaded OpenBLAS and the few entry points we use."""
-
-    def __init__(self, path):
-        mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 0)
-        # NOTE: RTLD_NOLOAD hands back the copy already mapped (never a second one,
-        # whose thread setting would change nothing numpy uses).
-        self.path = path
-        self.lib = ctypes.CDLL(path, mode=mode)
-        self._set = _symbol(self.lib, "set_num_threads")
-        self._get = _symbol(self.lib, "get_num_threads")
-        self._corename = _symbol(self.lib, "get_corename")
-        self._config = _symbol(self.lib, "get_config")
-        for fn in (self._corename, self._config):
-            if fn is not None:
-                fn.restype = ctypes.c_char_p
-        if self._set is not None:
-            self._set.argtypes = [ctypes.c_int]
-            self._set.restype = None
-        if self._get is not None:
-            self._get.restype = ctypes.c_int
-
-    def set_num_threads(self, n):
-        if self._set is not None:
-            self._set(int(n))
-
-    def get_num_threads(self):
-        return self._get() if self._get is not None else None
-
-    def info(self):
-        def text(fn):
-            return fn().decode(errors="replace") if fn is not None else None
-        return {"path": self.path, "num_threads": self.get_num_threads(),
-                "corename": text(self._corename), "config": text(self._config)}
-
-
-_cache = {}
-
 
 def _loaded_blas():
-    libs = []
-    for path in _mapped_blas_paths():
-        if path not in _cache:
-            try:
-                _cache[path] = _Blas(path)
-            except OSError:
-                continue
-        libs.append(_cache[path])
-    return [b for b in libs if b._set is not None]
+    """The OpenBLAS libraries loaded into this process (threadpoolctl's controllers),
+    numpy's first."""
+    libs = ThreadpoolController().select(internal_api="openblas").lib_controllers
+    return sorted(libs, key=lambda lib: "numpy" not in lib.filepath)
+
+
+def _config(lib):
+    """openblas_get_config(): the build line (version, DYNAMIC_ARCH, MAX_THREADS, ...)."""
+    get = getattr(lib, "_get_symbol", lambda name: None)("openblas_get_config")
+    if get is None:
+        return None
+    get.restype = ctypes.c_char_p
+    return get().decode(errors="replace")
 
 
 def set_blas_threads(n, library="numpy"):
@@ -115,26 +49,24 @@ def set_blas_threads(n, library="numpy"):
     n = int(n)
     if n < 1:
         raise ValueError(f"number of threads must be at least 1, got {n}")
-    libs = [b for b in _loaded_blas() if library == "all" or library in b.path]
-    for b in libs:
-        b.set_num_threads(n)
+    libs = [lib for lib in _loaded_blas() if library == "all" or library in lib.filepath]
+    for lib in libs:
+        lib.set_num_threads(n)
     return len(libs)
-
-
-def _numpy_first(libs):
-    return sorted(libs, key=lambda b: "numpy" not in b.path)
 
 
 def get_blas_threads():
     """The thread count of numpy's OpenBLAS (else the first one found), or None."""
-    libs = _numpy_first(_loaded_blas())
-    return libs[0].get_num_threads() if libs else None
+    libs = _loaded_blas()
+    return libs[0].num_threads if libs else None
 
 
 def blas_info():
     """One dict per loaded OpenBLAS: path, num_threads, corename (the kernel that runs,
     e.g. 'Haswell' or 'SkylakeX' / 'Zen'), and its build config; numpy's first."""
-    return [b.info() for b in _numpy_first(_loaded_blas())]
+    return [{"path": lib.filepath, "num_threads": lib.num_threads,
+             "corename": getattr(lib, "architecture", None), "config": _config(lib)}
+            for lib in _loaded_blas()]
 
 
 # ---- the default thread count ------------------------------------------------------
