@@ -12,7 +12,8 @@ products, a sum, ...) on both q and k of every layer:
 rotate_half is the linear map R = [[0, -I], [I, 0]], whose transpose is
 R^T = [[0, I], [-I, 0]], i.e. R^T [u1, u2] = [u2, -u1]; hence
     dx = g * cos + R^T (g * sin)
-The tables are constants: no gradient flows into them.
+The tables are constants: no gradient flows into them. As in the core, the Backward
+node (the rule) sits right above its forward function.
 """
 import numpy as np
 
@@ -62,6 +63,16 @@ def _table(t, name, x):
     return a
 
 
+class RopeBackward(Node):
+    """dx = g * cos + R^T (g * sin),  R^T [u1, u2] = [u2, -u1]"""
+
+    def backward(self, grad_output):
+        return (rope_rotate_backward(grad_output, self.cos, self.sin),)
+
+
+declare_saved(RopeBackward)        # it reads only its own tables
+
+
 def rotary_embedding(x, cos, sin):
     """y = x * cos + rotate_half(x) * sin over the last dim of x (..., T, d), d even;
     cos and sin broadcast to x's shape (typically (T, d)) and are constants."""
@@ -79,13 +90,3 @@ def rotary_embedding(x, cos, sin):
         node.cos, node.sin = cos, sin
         attach(out, node, (x,))
     return out
-
-
-class RopeBackward(Node):
-    """dx = g * cos + R^T (g * sin),  R^T [u1, u2] = [u2, -u1]"""
-
-    def backward(self, grad_output):
-        return (rope_rotate_backward(grad_output, self.cos, self.sin),)
-
-
-declare_saved(RopeBackward)        # it reads only its own tables
