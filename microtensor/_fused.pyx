@@ -4,7 +4,10 @@
 Every kernel takes C-contiguous typed memoryviews of one float type, states its shapes
 in its first docstring line, releases the GIL and loops with prange over rows (or over
 column slabs where rows would race). The Python side (microtensor/nn/functional.py)
-checks shapes and index ranges before calling: bounds checks are off in here.
+checks shapes and index ranges before calling; bounds checks are off in here, so each
+kernel also checks, at its entry, every size it relies on and the range of every index
+array it reads (see "safety at the kernel entry" in _fused_math.pxi): called directly
+with wrong arguments, a kernel raises, it never reads or writes out of bounds.
 
 Backward kernels WRITE dinp (each op's node returns a fresh gradient array) and
 ACCUMULATE (+=) into the per-thread partial sums of dweight / dbias, which the caller
@@ -15,8 +18,7 @@ Naming follows llm.c: `layernorm_forward(out, mean, rstd, inp, weight, bias, ...
 Inner loops are written as maps over one row (out[j] = f(in[j])) and reductions through
 row_sum / row_max / row_dot, the shapes gcc vectorises (see _fused_math.pxi).
 """
-from cython.parallel cimport prange, parallel
-from libc.stdlib cimport malloc, free
+from cython.parallel cimport prange, parallel, threadid
 cimport cython
 
 include "_fused_math.pxi"
@@ -42,6 +44,14 @@ def layernorm_forward(real[:, ::1] out, real[::1] mean, real[::1] rstd,
     cdef const real* x
     cdef real* o
     cdef real m, s
+    check_shape2("layernorm_forward", "out", out.shape[0], out.shape[1], R, N)
+    check_size("layernorm_forward", "mean", mean.shape[0], R)
+    check_size("layernorm_forward", "rstd", rstd.shape[0], R)
+    check_size("layernorm_forward", "weight", weight.shape[0], N)
+    check_size("layernorm_forward", "bias", bias.shape[0], N)
+    if R == 0 or N == 0:
+        return
+    num_threads = clamp_threads(num_threads)
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
         x = &inp[r, 0]
         o = &out[r, 0]
@@ -64,8 +74,9 @@ def layernorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, real[:, ::1] dbi
     dweight[p] += sum_rows(dout * xhat),  dbias[p] += sum_rows(dout)"""
     cdef Py_ssize_t c, r, j, r0, r1, R = inp.shape[0], N = inp.shape[1]
     cdef Py_ssize_t P = dweight.shape[0]
-    cdef Py_ssize_t rows_per = (R + P - 1) // P
-    cdef real* xhat = NULL                                # per-thread rows of scratch
+    cdef Py_ssize_t rows_per
+    cdef real* scratch                                    # two rows of N per thread
+    cdef real* xhat = NULL
     cdef real* dnorm = NULL
     cdef const real* x
     cdef const real* g
@@ -73,9 +84,23 @@ def layernorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, real[:, ::1] dbi
     cdef real* dw
     cdef real* db
     cdef real mu, s, a, b
+    check_shape2("layernorm_backward", "dinp", dinp.shape[0], dinp.shape[1], R, N)
+    check_shape2("layernorm_backward", "dout", dout.shape[0], dout.shape[1], R, N)
+    check_shape2("layernorm_backward", "dbias", dbias.shape[0], dbias.shape[1], P, N)
+    if dweight.shape[1] != N or P < 1:
+        raise ValueError(f"layernorm_backward: dweight must be (P >= 1, {N}), got "
+                         f"({dweight.shape[0]}, {dweight.shape[1]})")
+    check_size("layernorm_backward", "weight", weight.shape[0], N)
+    check_size("layernorm_backward", "mean", mean.shape[0], R)
+    check_size("layernorm_backward", "rstd", rstd.shape[0], R)
+    if R == 0 or N == 0:
+        return
+    rows_per = (R + P - 1) // P
+    num_threads = clamp_threads(num_threads)
+    scratch = <real*>scratch_alloc(2 * N * num_threads, sizeof(real))
     with nogil, parallel(num_threads=num_threads):
-        xhat = <real*>malloc(N * sizeof(real))
-        dnorm = <real*>malloc(N * sizeof(real))
+        xhat = scratch + 2 * N * threadid()
+        dnorm = xhat + N
         for c in prange(P, schedule="static"):
             dw = &dweight[c, 0]
             db = &dbias[c, 0]
@@ -96,8 +121,7 @@ def layernorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, real[:, ::1] dbi
                     dx[j] = (dnorm[j] - a - xhat[j] * b) * s
                     dw[j] = dw[j] + g[j] * xhat[j]
                     db[j] = db[j] + g[j]
-        free(xhat)
-        free(dnorm)
+    free(scratch)
 
 
 # ---- RMS norm --------------------------------------------------------------------
@@ -111,6 +135,12 @@ def rmsnorm_forward(real[:, ::1] out, real[::1] rstd, const real[:, ::1] inp,
     cdef const real* x
     cdef real* o
     cdef real s
+    check_shape2("rmsnorm_forward", "out", out.shape[0], out.shape[1], R, N)
+    check_size("rmsnorm_forward", "rstd", rstd.shape[0], R)
+    check_size("rmsnorm_forward", "weight", weight.shape[0], N)
+    if R == 0 or N == 0:
+        return
+    num_threads = clamp_threads(num_threads)
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
         x = &inp[r, 0]
         o = &out[r, 0]
@@ -128,7 +158,8 @@ def rmsnorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, const real[:, ::1]
     dinp = rstd * (dnorm - xhat * mean(dnorm * xhat)),  dweight[p] += sum_rows(dout * xhat)"""
     cdef Py_ssize_t c, r, j, r0, r1, R = inp.shape[0], N = inp.shape[1]
     cdef Py_ssize_t P = dweight.shape[0]
-    cdef Py_ssize_t rows_per = (R + P - 1) // P
+    cdef Py_ssize_t rows_per
+    cdef real* scratch                                    # two rows of N per thread
     cdef real* xhat = NULL
     cdef real* dnorm = NULL
     cdef const real* x
@@ -136,9 +167,21 @@ def rmsnorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, const real[:, ::1]
     cdef real* dx
     cdef real* dw
     cdef real s, b
+    check_shape2("rmsnorm_backward", "dinp", dinp.shape[0], dinp.shape[1], R, N)
+    check_shape2("rmsnorm_backward", "dout", dout.shape[0], dout.shape[1], R, N)
+    if dweight.shape[1] != N or P < 1:
+        raise ValueError(f"rmsnorm_backward: dweight must be (P >= 1, {N}), got "
+                         f"({dweight.shape[0]}, {dweight.shape[1]})")
+    check_size("rmsnorm_backward", "weight", weight.shape[0], N)
+    check_size("rmsnorm_backward", "rstd", rstd.shape[0], R)
+    if R == 0 or N == 0:
+        return
+    rows_per = (R + P - 1) // P
+    num_threads = clamp_threads(num_threads)
+    scratch = <real*>scratch_alloc(2 * N * num_threads, sizeof(real))
     with nogil, parallel(num_threads=num_threads):
-        xhat = <real*>malloc(N * sizeof(real))
-        dnorm = <real*>malloc(N * sizeof(real))
+        xhat = scratch + 2 * N * threadid()
+        dnorm = xhat + N
         for c in prange(P, schedule="static"):
             dw = &dweight[c, 0]
             r0 = c * rows_per
@@ -155,8 +198,7 @@ def rmsnorm_backward(real[:, ::1] dinp, real[:, ::1] dweight, const real[:, ::1]
                 for j in range(N):
                     dx[j] = (dnorm[j] - xhat[j] * b) * s
                     dw[j] = dw[j] + g[j] * xhat[j]
-        free(xhat)
-        free(dnorm)
+    free(scratch)
 
 
 # ---- GELU and SiLU (flat, elementwise) -------------------------------------------
@@ -166,6 +208,8 @@ def gelu_forward(real[::1] out, const real[::1] inp, int num_threads):
     """(n,) -> (n,):  out = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))"""
     cdef Py_ssize_t i, n = inp.shape[0]
     cdef real x, z
+    check_size("gelu_forward", "out", out.shape[0], n)
+    num_threads = clamp_threads(num_threads)
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
         z = (x if x >= 0 else -x) * <real>INV_SQRT_2
@@ -177,6 +221,9 @@ def gelu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp, int
     """(n,):  dinp = dout * (Phi(x) + x phi(x)),  phi(x) = exp(-x^2/2) / sqrt(2 pi)"""
     cdef Py_ssize_t i, n = inp.shape[0]
     cdef real x, z, e
+    check_size("gelu_backward", "dinp", dinp.shape[0], n)
+    check_size("gelu_backward", "dout", dout.shape[0], n)
+    num_threads = clamp_threads(num_threads)
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
         z = (x if x >= 0 else -x) * <real>INV_SQRT_2
@@ -189,6 +236,8 @@ def gelu_tanh_forward(real[::1] out, const real[::1] inp, int num_threads):
     """(n,) -> (n,):  out = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)"""
     cdef Py_ssize_t i, n = inp.shape[0]
     cdef real x
+    check_size("gelu_tanh_forward", "out", out.shape[0], n)
+    num_threads = clamp_threads(num_threads)
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
         out[i] = <real>0.5 * x * (1 + vtanh(<real>SQRT_2_OVER_PI * (x + <real>GELU_C * x * x * x)))
@@ -201,6 +250,9 @@ def gelu_tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp
     du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)"""
     cdef Py_ssize_t i, n = inp.shape[0]
     cdef real x, t
+    check_size("gelu_tanh_backward", "dinp", dinp.shape[0], n)
+    check_size("gelu_tanh_backward", "dout", dout.shape[0], n)
+    num_threads = clamp_threads(num_threads)
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         x = inp[i]
         t = vtanh(<real>SQRT_2_OVER_PI * (x + <real>GELU_C * x * x * x))
@@ -212,6 +264,8 @@ def gelu_tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp
 def silu_forward(real[::1] out, const real[::1] inp, int num_threads):
     """(n,) -> (n,):  out = x * sigmoid(x) = x / (1 + e^-x)   (e^-x = inf gives -0, fine)"""
     cdef Py_ssize_t i, n = inp.shape[0]
+    check_size("silu_forward", "out", out.shape[0], n)
+    num_threads = clamp_threads(num_threads)
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         out[i] = inp[i] / (1 + vexp(-inp[i]))
 
@@ -221,6 +275,9 @@ def silu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp, int
     """(n,):  dinp = dout * s (1 + x (1 - s)),  s = sigmoid(x)"""
     cdef Py_ssize_t i, n = inp.shape[0]
     cdef real s
+    check_size("silu_backward", "dinp", dinp.shape[0], n)
+    check_size("silu_backward", "dout", dout.shape[0], n)
+    num_threads = clamp_threads(num_threads)
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         s = 1 / (1 + vexp(-inp[i]))
         dinp[i] = dout[i] * s * (1 + inp[i] * (1 - s))
@@ -235,6 +292,8 @@ def softmax_forward(real[:, ::1] out, const real[:, ::1] inp, int num_threads):
     cdef const real* x
     cdef real* o
     cdef real m, inv
+    check_shape2("softmax_forward", "out", out.shape[0], out.shape[1], R, N)
+    num_threads = clamp_threads(num_threads)
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
         x = &inp[r, 0]
         o = &out[r, 0]
@@ -255,6 +314,9 @@ def softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[:, :
     cdef const real* g
     cdef real* dx
     cdef real d
+    check_shape2("softmax_backward", "dinp", dinp.shape[0], dinp.shape[1], R, N)
+    check_shape2("softmax_backward", "dout", dout.shape[0], dout.shape[1], R, N)
+    num_threads = clamp_threads(num_threads)
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
         y = &out[r, 0]
         g = &dout[r, 0]
@@ -271,6 +333,8 @@ def log_softmax_forward(real[:, ::1] out, const real[:, ::1] inp, int num_thread
     cdef const real* x
     cdef real* o
     cdef real m, l
+    check_shape2("log_softmax_forward", "out", out.shape[0], out.shape[1], R, N)
+    num_threads = clamp_threads(num_threads)
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
         x = &inp[r, 0]
         o = &out[r, 0]
@@ -291,6 +355,9 @@ def log_softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[
     cdef const real* g
     cdef real* dx
     cdef real s
+    check_shape2("log_softmax_backward", "dinp", dinp.shape[0], dinp.shape[1], R, N)
+    check_shape2("log_softmax_backward", "dout", dout.shape[0], dout.shape[1], R, N)
+    num_threads = clamp_threads(num_threads)
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
         y = &out[r, 0]
         g = &dout[r, 0]
@@ -309,14 +376,26 @@ def crossentropy_forward(real[::1] losses, real[::1] lse, const real[:, ::1] log
     """(M, C) logits, (M,) targets -> losses (M,), lse (M,):
     lse = logsumexp(x),  loss = (1 - eps) (lse - x[t]) + eps (lse - mean(x)),
     loss = 0 where t == ignore_index.  Stable: exp(x - max) never overflows."""
-    cdef Py_ssize_t r, j, M = logits.shape[0], C = logits.shape[1]
+    cdef Py_ssize_t r, j, bad, M = logits.shape[0], C = logits.shape[1]
     cdef const real* x
+    cdef real* scratch
     cdef real* e = NULL                                   # per-thread row of exp(x - max)
     cdef real m
     cdef double l
     cdef long long t
+    check_size("crossentropy_forward", "losses", losses.shape[0], M)
+    check_size("crossentropy_forward", "lse", lse.shape[0], M)
+    check_size("crossentropy_forward", "targets", targets.shape[0], M)
+    if M == 0:
+        return
+    bad = first_bad_index(&targets[0], M, C, True, ignore_index)
+    if bad >= 0:
+        raise IndexError(f"crossentropy_forward: target {targets[bad]} is out of bounds for "
+                         f"{C} classes (ignore_index={ignore_index})")
+    num_threads = clamp_threads(num_threads)
+    scratch = <real*>scratch_alloc(C * num_threads, sizeof(real))
     with nogil, parallel(num_threads=num_threads):
-        e = <real*>malloc(C * sizeof(real))
+        e = scratch + C * threadid()
         for r in prange(M, schedule="static"):
             x = &logits[r, 0]
             m = row_max(x, C)
@@ -332,7 +411,7 @@ def crossentropy_forward(real[::1] losses, real[::1] lse, const real[:, ::1] log
                                    + label_smoothing * (l - row_sum(x, C) / C))
             else:
                 losses[r] = <real>(l - x[t])
-        free(e)
+    free(scratch)
 
 
 @cython.wraparound(False)
@@ -341,19 +420,35 @@ def crossentropy_backward(real[:, ::1] dlogits, const real[::1] dlosses,
                           const long long[::1] targets, long long ignore_index,
                           double label_smoothing, int num_threads):
     """(M, C):  dlogits = dloss * (softmax(x) - (1 - eps) onehot(t) - eps / C),
-    softmax recomputed as exp(x - lse);  0 on ignored rows"""
-    cdef Py_ssize_t r, j, M = logits.shape[0], C = logits.shape[1]
+    softmax recomputed as exp(x - lse);  0 on ignored rows
+
+    NOTE: an ignored row gets 0 * softmax(x), not a plain 0: NaN where that row's softmax
+    is NaN (a NaN or +inf logit), as torch, whose log_softmax backward multiplies the
+    zero gradient of an ignored row by exp(log_softmax(x))."""
+    cdef Py_ssize_t r, j, bad, M = logits.shape[0], C = logits.shape[1]
     cdef const real* x
     cdef real* dx
     cdef real g, l, off
     cdef long long t
+    check_shape2("crossentropy_backward", "dlogits", dlogits.shape[0], dlogits.shape[1], M, C)
+    check_size("crossentropy_backward", "dlosses", dlosses.shape[0], M)
+    check_size("crossentropy_backward", "lse", lse.shape[0], M)
+    check_size("crossentropy_backward", "targets", targets.shape[0], M)
+    if M == 0:
+        return
+    bad = first_bad_index(&targets[0], M, C, True, ignore_index)
+    if bad >= 0:
+        raise IndexError(f"crossentropy_backward: target {targets[bad]} is out of bounds for "
+                         f"{C} classes (ignore_index={ignore_index})")
+    num_threads = clamp_threads(num_threads)
     for r in prange(M, nogil=True, num_threads=num_threads, schedule="static"):
         x = &logits[r, 0]
         dx = &dlogits[r, 0]
         t = targets[r]
         if t == ignore_index:
+            l = lse[r]
             for j in range(C):
-                dx[j] = 0
+                dx[j] = 0 * vexp(x[j] - l)
         else:
             g = dlosses[r]
             l = lse[r]
@@ -369,8 +464,16 @@ def crossentropy_backward(real[:, ::1] dlogits, const real[::1] dlosses,
 def embedding_forward(real[:, ::1] out, const long long[::1] ids, const real[:, ::1] weight,
                       int num_threads):
     """(M,) ids, (V, D) weight -> out (M, D):  out[i] = weight[ids[i]]"""
-    cdef Py_ssize_t i, j, M = ids.shape[0], D = weight.shape[1]
+    cdef Py_ssize_t i, j, bad, M = ids.shape[0], D = weight.shape[1]
     cdef long long row
+    check_shape2("embedding_forward", "out", out.shape[0], out.shape[1], M, D)
+    if M == 0 or D == 0:
+        return
+    bad = first_bad_index(&ids[0], M, weight.shape[0], False, 0)
+    if bad >= 0:
+        raise IndexError(f"embedding_forward: index {ids[bad]} is out of range for "
+                         f"{weight.shape[0]} rows")
+    num_threads = clamp_threads(num_threads)
     for i in prange(M, nogil=True, num_threads=num_threads, schedule="static"):
         row = ids[i]
         for j in range(D):
@@ -385,10 +488,19 @@ def embedding_backward(real[:, ::1] dweight, const real[:, ::1] dout, const long
     NOTE: threads split the D columns, not the M rows: two rows with the same id would
     otherwise add into one dweight row at once. Each thread walks every row, in order,
     over its own column slab, so repeated ids accumulate without a race."""
-    cdef Py_ssize_t c, i, j, j0, j1, M = ids.shape[0], D = dout.shape[1]
-    cdef Py_ssize_t P = num_threads if D >= 16 * num_threads else 1
-    cdef Py_ssize_t cols_per = (D + P - 1) // P
+    cdef Py_ssize_t c, i, j, j0, j1, bad, M = ids.shape[0], D = dout.shape[1]
+    cdef Py_ssize_t P, cols_per
     cdef long long row
+    check_shape2("embedding_backward", "dout", dout.shape[0], dout.shape[1], M, dweight.shape[1])
+    if M == 0 or D == 0:
+        return
+    bad = first_bad_index(&ids[0], M, dweight.shape[0], False, 0)
+    if bad >= 0:
+        raise IndexError(f"embedding_backward: index {ids[bad]} is out of range for "
+                         f"{dweight.shape[0]} rows")
+    num_threads = clamp_threads(num_threads)
+    P = num_threads if D >= 16 * num_threads else 1
+    cols_per = (D + P - 1) // P
     for c in prange(P, nogil=True, num_threads=num_threads, schedule="static"):
         j0 = c * cols_per
         j1 = imin(D, j0 + cols_per)
@@ -407,6 +519,10 @@ def dropout_forward(real[::1] out, real[::1] mask, const real[::1] inp, const fl
     cdef Py_ssize_t i, n = inp.shape[0]
     cdef real scale = <real>(1.0 / (1.0 - p))
     cdef float pf = <float>p
+    check_size("dropout_forward", "out", out.shape[0], n)
+    check_size("dropout_forward", "mask", mask.shape[0], n)
+    check_size("dropout_forward", "uniform", uniform.shape[0], n)
+    num_threads = clamp_threads(num_threads)
     for i in prange(n, nogil=True, num_threads=num_threads, schedule="static"):
         if uniform[i] >= pf:
             mask[i] = scale

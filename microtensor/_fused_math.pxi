@@ -17,7 +17,8 @@ cdef extern from *:
     #endif
     """
 
-from libc.math cimport exp, expf, log, sqrt, erf, erfc, fabs, fabsf, INFINITY
+from libc.math cimport exp, expf, log, sqrt, erf, erfc, fabs, fabsf, INFINITY, NAN
+from libc.stdlib cimport malloc, free
 
 ctypedef fused real:
     float
@@ -189,3 +190,68 @@ cdef inline double row_sum_sq_dev(const real* x, real mean, Py_ssize_t n) noexce
 
 cdef inline Py_ssize_t imin(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
     return a if a < b else b
+
+
+# ---- safety at the kernel entry -------------------------------------------------------
+# The Python side checks shapes and index ranges, but a kernel must also be safe when
+# called directly (bounds checks are off in here): every entry checks the sizes it relies
+# on (O(1)), index arrays are range-checked before any row is touched (O(rows), small
+# next to the O(rows * cols) work), thread counts are clamped, and scratch memory is
+# allocated once, with the GIL, before the parallel region, so that a failed allocation
+# raises MemoryError instead of handing NULL to a thread.
+
+cdef enum:
+    MAX_THREADS = 256      # more threads than this is a caller's mistake, not a request
+
+cdef size_t _alloc_limit = <size_t>-1   # tests lower it to reach the MemoryError path
+
+
+def _set_alloc_limit(limit=None):
+    """Refuse scratch allocations above `limit` bytes (None: no limit). For tests of the
+    MemoryError path; returns the previous limit (None when there was none)."""
+    global _alloc_limit
+    prev = None if _alloc_limit == <size_t>-1 else _alloc_limit
+    _alloc_limit = <size_t>-1 if limit is None else <size_t>limit
+    return prev
+
+
+cdef void* scratch_alloc(Py_ssize_t count, Py_ssize_t itemsize) except NULL:
+    """malloc(count * itemsize), or MemoryError (also when the product overflows)."""
+    cdef void* p
+    if count < 0 or itemsize <= 0:
+        raise ValueError(f"bad scratch size: {count} x {itemsize} bytes")
+    if count > 0 and <size_t>count > _alloc_limit // <size_t>itemsize:
+        raise MemoryError(f"cannot allocate {count} x {itemsize} bytes of kernel scratch memory")
+    p = malloc(<size_t>count * <size_t>itemsize if count > 0 else 1)
+    if p == NULL:
+        raise MemoryError(f"cannot allocate {count} x {itemsize} bytes of kernel scratch memory")
+    return p
+
+
+cdef inline int clamp_threads(int n) noexcept nogil:
+    """A thread count in [1, MAX_THREADS]."""
+    if n < 1:
+        return 1
+    return n if n < MAX_THREADS else MAX_THREADS
+
+
+cdef inline Py_ssize_t first_bad_index(const long long* ids, Py_ssize_t n, long long limit,
+                                       bint has_allowed, long long allowed) noexcept nogil:
+    """The first i with ids[i] outside [0, limit) (and, when has_allowed, not equal to
+    `allowed`, e.g. cross-entropy's ignore_index), or -1 when every index is good."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if (ids[i] < 0 or ids[i] >= limit) and not (has_allowed and ids[i] == allowed):
+            return i
+    return -1
+
+
+cdef check_shape2(str kernel, str what, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t R,
+                  Py_ssize_t N):
+    if rows != R or cols != N:
+        raise ValueError(f"{kernel}: {what} has shape ({rows}, {cols}), expected ({R}, {N})")
+
+
+cdef check_size(str kernel, str what, Py_ssize_t got, Py_ssize_t expected):
+    if got != expected:
+        raise ValueError(f"{kernel}: {what} has size {got}, expected {expected}")

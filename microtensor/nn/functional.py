@@ -16,6 +16,10 @@ import microtensor._core as _core
 from microtensor import _blas
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 
+# Which tensors each rule reads in backward (the version check of in-place changes looks
+# at these only, as torch checks the tensors it saved): input positions, and the output.
+declare_saved = _core.declare_saved
+
 
 def _cpu_has_avx2_fma():
     """Does this CPU run the AVX2+FMA build of the kernels? (numpy already asked the CPU.)"""
@@ -82,6 +86,14 @@ def _contig(a):
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+def _owned_indices(idx):
+    """A private int64 copy of an index array, flat (M,). Backward reads the indices
+    again, after any amount of user code: a view of the caller's tensor could by then
+    hold other (or out-of-range) values, so the node keeps its own copy (the indices
+    are small next to the activations they pick)."""
+    return np.array(idx, dtype=np.int64, copy=True, order="C").reshape(-1)
+
+
 def _grad_as(g, shape, dtype):
     """An upstream gradient as a C-contiguous array of this shape and dtype (the engine
     may hand us a broadcast view or another float dtype)."""
@@ -140,11 +152,17 @@ class SoftmaxBackward(Node):
         return (_rows_backward(self, g, _fused.softmax_backward),)
 
 
+declare_saved(SoftmaxBackward, output=True)
+
+
 class LogSoftmaxBackward(Node):
     """y = log_softmax(x);  dx = g - exp(y) * sum(g)   (kernel: log_softmax_backward)"""
 
     def backward(self, g):
         return (_rows_backward(self, g, _fused.log_softmax_backward),)
+
+
+declare_saved(LogSoftmaxBackward, output=True)
 
 
 def _rows_backward(node, g, kernel):
@@ -204,6 +222,9 @@ class GeluBackward(Node):
         return (dinp,)
 
 
+declare_saved(GeluBackward, 0)
+
+
 def gelu(input, approximate="none"):
     """y = x * Phi(x) (exact, erf) or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"""
     if approximate not in ("none", "tanh"):
@@ -229,6 +250,9 @@ class SiluBackward(Node):
         dinp = np.empty_like(x)
         _fused.silu_backward(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
         return (dinp,)
+
+
+declare_saved(SiluBackward, 0)
 
 
 def silu(input, inplace=False):
@@ -263,6 +287,9 @@ class LinearBackward(Node):
         return (dx, dw, db)
 
 
+declare_saved(LinearBackward, 0, 1)
+
+
 def linear(input, weight, bias=None):
     """y = x @ W^T + b   (x (..., in), W (out, in), b (out,))"""
     x = _float_array(input, "linear input")
@@ -277,7 +304,8 @@ def linear(input, weight, bias=None):
     if b is not None and b.shape != (w.shape[0],):
         raise ShapeError(f"linear: bias shape {b.shape} does not fit weight shape {w.shape} "
                          f"(expected ({w.shape[0]},))")
-    x2d = x.reshape(-1, w.shape[1])                     # (M, in); a view when x is contiguous
+    M = math.prod(x.shape[:-1])
+    x2d = x.reshape(M, w.shape[1])                      # (M, in); a view when x is contiguous
     out2d = _blas.gemm(x2d, w.T, num_threads=_core.get_num_threads())   # (M, out); w.T as a flag
     if b is not None:
         out2d += b
@@ -337,6 +365,9 @@ class LayerNormBackward(Node):
         return (dx, dw, db)
 
 
+declare_saved(LayerNormBackward, 0, 1)
+
+
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """y = (x - mean(x)) / sqrt(var(x) + eps) * w + b   over the last len(normalized_shape) dims"""
     x = _float_array(input, "layer_norm input")
@@ -346,8 +377,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     normalized_shape, n = _norm_rows(x, normalized_shape, "layer_norm")
     _check_affine(w, normalized_shape, "layer_norm", "weight")
     _check_affine(b, normalized_shape, "layer_norm", "bias")
-    x2 = _contig(x).reshape(-1, n)                       # (R, n)
-    R = x2.shape[0]
+    R = math.prod(x.shape[:x.ndim - len(normalized_shape)])
+    x2 = _contig(x).reshape(R, n)                        # (R, n)
     w1 = np.ones(n, x.dtype) if w is None else _contig(w).reshape(-1)
     b1 = np.zeros(n, x.dtype) if b is None else _contig(b).reshape(-1)
     out = np.empty_like(x2)
@@ -382,6 +413,9 @@ class RMSNormBackward(Node):
         return (dx, dw)
 
 
+declare_saved(RMSNormBackward, 0, 1)
+
+
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """y = x / sqrt(mean(x^2) + eps) * w   (eps=None: the dtype's machine epsilon, as torch)"""
     x = _float_array(input, "rms_norm input")
@@ -391,7 +425,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     _check_affine(w, normalized_shape, "rms_norm", "weight")
     if eps is None:
         eps = float(np.finfo(x.dtype).eps)
-    x2 = _contig(x).reshape(-1, n)
+    x2 = _contig(x).reshape(math.prod(x.shape[:x.ndim - len(normalized_shape)]), n)   # (R, n)
     w1 = np.ones(n, x.dtype) if w is None else _contig(w).reshape(-1)
     out = np.empty_like(x2)
     rstd = np.empty(x2.shape[0], x.dtype)
@@ -462,6 +496,9 @@ class CrossEntropyBackward(Node):
         return (dlogits.reshape(self.x_shape), None)
 
 
+declare_saved(CrossEntropyBackward, 0)
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0):
     """loss = -log softmax(x)[target], averaged over the targets that are not ignore_index
@@ -480,7 +517,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                         f"indices, got dtype {t.dtype}")
     rows, tgt, out_shape, how = _ce_rows(x, t, "cross_entropy")
     rows = _contig(rows)                                 # (M, C)
-    tgt = np.ascontiguousarray(tgt, dtype=np.int64)      # (M,)
+    tgt = _owned_indices(tgt)                            # (M,), checked below, kept for backward
     M, C = rows.shape
     keep = tgt != ignore_index
     bad = keep & ((tgt < 0) | (tgt >= C))
@@ -519,6 +556,10 @@ def nll_loss(input, target, ignore_index=-100, reduction="mean"):
     logp = _tensor(input, "nll_loss input")
     _check_reduction(reduction)
     t = target._data if isinstance(target, Tensor) else np.asarray(target)
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"nll_loss: target must be an integer (int64) tensor of class "
+                        f"indices, got dtype {t.dtype}")
+    t = np.array(t, dtype=np.int64, copy=True)          # private: checked once, then used
     if logp.ndim != 2 or t.shape != (logp.shape[0],):
         raise ShapeError(f"nll_loss: input shape {logp.shape} and target shape {t.shape} do "
                          "not fit (expected (N, C) and (N,))")
@@ -550,6 +591,9 @@ class MSELossBackward(Node):
         da = _unbroadcast(d, self.a_shape) if _wants_grad(self, 0) else None
         db = -_unbroadcast(d, self.b_shape) if _wants_grad(self, 1) else None
         return (da, db)
+
+
+declare_saved(MSELossBackward, 0, 1)
 
 
 def mse_loss(input, target, reduction="mean"):
@@ -585,7 +629,7 @@ class EmbeddingBackward(Node):
     def backward(self, g):
         V, D = self.weight_shape
         dweight = np.zeros((V, D), dtype=self.dtype)
-        g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(-1, D)
+        g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(self.ids.shape[0], D)
         if g2.size:
             _fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size, memory_bound=True))
         if self.padding_idx is not None:
@@ -593,6 +637,9 @@ class EmbeddingBackward(Node):
         return (None, dweight)
 
 
+
+
+declare_saved(EmbeddingBackward)           # its indices are a private copy
 def embedding(input, weight, padding_idx=None):
     """y = W[idx]   (idx int64 of any shape, W (num_embeddings, embedding_dim))"""
     w = _float_array(weight, "embedding weight")
@@ -602,7 +649,7 @@ def embedding(input, weight, padding_idx=None):
     if w.ndim != 2:
         raise ShapeError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {w.shape}")
     V, D = w.shape
-    ids = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)   # (M,)
+    ids = _owned_indices(idx)                           # (M,), checked below, kept for backward
     bad = (ids < 0) | (ids >= V)
     if bad.any():
         raise IndexError(f"embedding: index {int(ids[np.argmax(bad)])} is out of range for "
@@ -633,6 +680,9 @@ class DropoutBackward(Node):
         return (g * self.mask,)
 
 
+
+
+declare_saved(DropoutBackward)               # only its own mask
 def dropout(input, p=0.5, training=True, inplace=False):
     """Zero each element with probability p and scale the rest by 1/(1-p) (training only)."""
     x = _tensor(input, "dropout input")
@@ -703,7 +753,7 @@ def _mask_slabs(m, batch, Tq, Tk):
 class AttentionBackward(Node):
     """o = P @ v,  P = softmax(scale * q @ k^T + mask);
     dv = P^T @ g,  dP = g @ v^T,  dS = P * (dP - rowsum(dP * P)),
-    dq = scale * dS @ k,  dk = scale * dS^T @ q     (kernel: attention_backward)"""
+    dq = scale * dS @ k,  dk = scale * dS^T @ q,  dmask = dS   (kernel: attention_backward)"""
 
     def backward(self, g):
         q, k, v = self.q, self.k, self.v                 # (BH, Tq, hs), (BH, Tk, hs), (BH, Tk, hv)
@@ -711,16 +761,35 @@ class AttentionBackward(Node):
         dq = np.zeros_like(q)
         dk = np.zeros_like(k)
         dv = np.zeros_like(v)
-        if dout.size and q.size and k.size:
-            _attention.attention_backward(dq, dk, dv, dout, q, k, v, self.lse, self.slabs,
-                                          self.index, self.has_mask, self.is_causal, self.scale,
+        want_dmask = len(self.inputs) > 3 and _wants_grad(self, 3)
+        # NOTE: the mask's gradient is the whole (BH, Tq, Tk) matrix of dS; it exists only
+        # when a float mask requires grad (a learned bias), never on the usual path
+        dmask = np.zeros((q.shape[0], q.shape[1], k.shape[1]), q.dtype) if want_dmask else None
+        if dout.size and k.shape[1]:
+            scale, dq_k, dk_k = self.scale, dq, dk
+            if q.shape[2] == 0:                          # empty dot products (see forward):
+                q = np.zeros(q.shape[:2] + (1,), q.dtype)   # one zero column, scale 0,
+                k = np.zeros(k.shape[:2] + (1,), k.dtype)   # dq and dk stay empty
+                scale, dq_k, dk_k = 0.0, np.zeros_like(q), np.zeros_like(k)
+            _attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.lse, self.slabs,
+                                          self.index, self.has_mask, self.is_causal, scale,
                                           self.dropout_p, self.seed, self.block,
                                           min(_threads(q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2]),
-                                              q.shape[0]))
+                                              q.shape[0]), dmask)
         grads = []
         for d, shape in zip((dq, dk, dv), self.shapes):
             grads.append(_unbroadcast(d.reshape(self.batch + d.shape[1:]), shape))
+        if len(self.inputs) > 3:
+            if want_dmask:                               # (BH, Tq, Tk) -> the mask's own shape
+                m2 = self.mask_shape_2d
+                d = _unbroadcast(dmask.reshape(self.batch + dmask.shape[1:]), m2)
+                grads.append(d.reshape(self.mask_shape).astype(self.mask_dtype, copy=False))
+            else:
+                grads.append(None)
         return tuple(grads)
+
+
+declare_saved(AttentionBackward, 0, 1, 2, 3)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -749,13 +818,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if isinstance(dropout_p, bool) or not (0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
     if is_causal and attn_mask is not None:
-        raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, "
-                         "not both")
+        # torch raises RuntimeError here too
+        raise RuntimeError("scaled_dot_product_attention: an explicit attn_mask should not be "
+                           "set when is_causal=True (pass one or the other, not both)")
     Tq, hs = q.shape[-2], q.shape[-1]
     Tk, hv = k.shape[-2], v.shape[-1]
-    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    scale = (1.0 / math.sqrt(hs) if hs else math.inf) if scale is None else float(scale)
     if attn_mask is not None:
-        slabs, index = _mask_slabs(_attention_mask(attn_mask, Tq, Tk, q.dtype), batch, Tq, Tk)
+        m2 = _attention_mask(attn_mask, Tq, Tk, q.dtype)
+        slabs, index = _mask_slabs(m2, batch, Tq, Tk)
     else:
         slabs, index = np.zeros((1, 1, 1), q.dtype), np.zeros(1, np.int64)
     BH = int(np.prod(batch))
@@ -768,21 +839,33 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     lse = np.empty((BH, Tq), q.dtype)
     seed = int(_core.default_generator().integers(0, 2 ** 63)) if dropout_p > 0 else 0
     block = _ATTENTION_BLOCK_CAUSAL if is_causal else _ATTENTION_BLOCK
-    if out3.size == 0 or hs == 0 or Tk == 0:
+    if out3.size == 0 or Tk == 0:
         out3[...] = 0                                    # nothing to attend to
         lse[...] = np.inf
+    elif hs == 0:
+        # an empty dot product: every score is 0 (plus the mask), as torch computes it;
+        # the kernel runs on one zero column with scale 0 (no 0 * inf from 1/sqrt(0))
+        _attention.attention_forward(out3, lse, np.zeros((BH, Tq, 1), q.dtype),
+                                     np.zeros((BH, Tk, 1), q.dtype), v3, slabs, index,
+                                     attn_mask is not None, bool(is_causal), 0.0,
+                                     float(dropout_p), seed, block, 1)
     else:
         _attention.attention_forward(out3, lse, q3, k3, v3, slabs, index, attn_mask is not None,
                                      bool(is_causal), scale, float(dropout_p), seed,
                                      block, min(_threads(BH * Tq * Tk * hs), BH))
     out = wrap(out3.reshape(batch + (Tq, hv)))
-    inputs = (query, key, value)
+    # a float mask tensor is an input: it may take a gradient, and its slabs may be views
+    # of it that backward reads (a bool mask is turned into a private array)
+    mask_input = isinstance(attn_mask, Tensor) and attn_mask.dtype != np.bool_
+    inputs = (query, key, value, attn_mask) if mask_input else (query, key, value)
     if needs_graph(inputs):
         node = AttentionBackward()
         node.q, node.k, node.v, node.lse = q3, k3, v3, lse
         node.slabs, node.index, node.has_mask = slabs, index, attn_mask is not None
         node.is_causal, node.scale, node.dropout_p, node.seed = bool(is_causal), scale, float(dropout_p), seed
         node.batch, node.shapes, node.block = tuple(batch), (q.shape, k.shape, v.shape), block
+        if mask_input:
+            node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
         attach(out, node, inputs)
     return out
 
