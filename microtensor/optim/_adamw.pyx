@@ -25,8 +25,17 @@ ctypedef fused real:
 cdef Py_ssize_t _PARALLEL_MIN = 1 << 15
 
 
+cdef _check_length(str kernel, str what, Py_ssize_t got, Py_ssize_t n):
+    # NOTE: bounds checks are off in the loops below, so a buffer shorter than the
+    # parameter (a tampered checkpoint, a replaced .data) must be refused here
+    if got != n:
+        raise ValueError(f"{kernel}: {what} has {got} elements, but the parameter has {n}")
+
+
 cdef inline int _threads(Py_ssize_t n, int num_threads) noexcept nogil:
-    return num_threads if n >= _PARALLEL_MIN and num_threads > 1 else 1
+    if n < _PARALLEL_MIN or num_threads <= 1:
+        return 1
+    return num_threads if num_threads < 256 else 256     # a bound, as the fused kernels
 
 
 cdef inline real _sqrt(real x) noexcept nogil:
@@ -72,6 +81,11 @@ def adam_step(real[::1] param, const real[::1] grad, real[::1] exp_avg,
     # folded into coefficients rather than branches, so the compiler vectorizes it.
     cdef Py_ssize_t i, n = param.shape[0]
     cdef int threads = _threads(n, num_threads)
+    _check_length("adam_step", "grad", grad.shape[0], n)
+    _check_length("adam_step", "exp_avg", exp_avg.shape[0], n)
+    _check_length("adam_step", "exp_avg_sq", exp_avg_sq.shape[0], n)
+    if amsgrad:
+        _check_length("adam_step", "max_exp_avg_sq", max_exp_avg_sq.shape[0], n)
     cdef double bias_correction1 = 1.0 - beta1 ** step
     cdef double bias_correction2 = 1.0 - beta2 ** step
     # the coefficients are rounded to the parameter's type once, as torch does
@@ -129,6 +143,9 @@ def sgd_step(real[::1] param, const real[::1] grad, real[::1] momentum_buffer,
         g = g + momentum * b (nesterov)  or  g = b
         p = p - lr * g"""
     cdef Py_ssize_t i, n = param.shape[0]
+    _check_length("sgd_step", "grad", grad.shape[0], n)
+    if momentum != 0:
+        _check_length("sgd_step", "momentum_buffer", momentum_buffer.shape[0], n)
     for i in prange(n, nogil=True, num_threads=_threads(n, num_threads), schedule="static"):
         _sgd_element(&param[i], grad[i], &momentum_buffer[i], <real>(-lr), <real>weight_decay,
                      <real>momentum, <real>(1.0 - dampening), weight_decay != 0,

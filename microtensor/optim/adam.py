@@ -2,7 +2,9 @@
 import numpy as np
 
 from microtensor.optim._adamw import adam_step
-from microtensor.optim.optimizer import Optimizer, _flat, _flat_grad, _num_threads
+from microtensor.optim.optimizer import (
+    Optimizer, _bump_version, _check_param, _flat, _flat_grad, _num_threads,
+)
 
 
 class Adam(Optimizer):
@@ -37,20 +39,22 @@ class Adam(Optimizer):
         """One update of every parameter that has a gradient (one kernel call each)."""
         loss = self._closure_loss(closure)
         num_threads = _num_threads()
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             amsgrad = group["amsgrad"]
-            for p in group["params"]:
+            for pi, p in enumerate(group["params"]):
                 if p._grad is None:
                     continue
+                # every array the kernel reads is checked first (O(1): shapes and dtypes)
+                g = _check_param(self, p, f"parameter {pi} of param group {gi}")
                 state = self.state.setdefault(p, {})
-                state["step"] = state.get("step", 0) + 1
-                param, copied = _flat(p._data)
-                grad = _flat_grad(p)
                 exp_avg = self._state_buffer(state, "exp_avg", p)._data.reshape(-1)
                 exp_avg_sq = self._state_buffer(state, "exp_avg_sq", p)._data.reshape(-1)
                 max_exp_avg_sq = (self._state_buffer(state, "max_exp_avg_sq", p)._data.reshape(-1)
                                   if amsgrad else exp_avg_sq)   # unread without amsgrad
+                param, copied = _flat(p._data)
+                grad = _flat_grad(p, g)
+                state["step"] = state.get("step", 0) + 1
                 if param.size:
                     adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
                               group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
@@ -58,6 +62,7 @@ class Adam(Optimizer):
                               num_threads)
                 if copied:
                     np.copyto(p._data, param.reshape(p.shape))
+                _bump_version(p)
         return loss
 
 

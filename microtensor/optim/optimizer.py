@@ -15,11 +15,12 @@ string, and `unflatten_state_dict` turns them back:
     opt.load_state_dict(mt.optim.unflatten_state_dict(tensors, metadata["optimizer"]))
 """
 import json
+import math
 from numbers import Number
 
 import numpy as np
 
-from microtensor._core import Tensor, enable_grad, get_num_threads, wrap
+from microtensor._core import Tensor, ShapeError, enable_grad, get_num_threads, wrap
 from microtensor._grads import zero_grads
 
 
@@ -161,25 +162,42 @@ class Optimizer:
         param_of = {}
         for group, saved in zip(self.param_groups, saved_groups):
             for index, p in zip(saved["params"], group["params"]):
-                param_of[int(index)] = p
+                param_of[_state_index(index)] = p
 
+        # Everything is checked before anything is changed: the kernels of step() trust
+        # these buffers' sizes, and a checkpoint may have been damaged or tampered with.
         state = {}
-        for index, values in state_dict.get("state", {}).items():
-            p = param_of.get(int(index))
+        saved_state = state_dict.get("state", {})
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"optimizer state dict: 'state' must be a dict, got "
+                             f"{type(saved_state).__name__}")
+        for index, values in saved_state.items():
+            p = param_of.get(_state_index(index))
             if p is None:
                 continue
+            if not isinstance(values, dict):
+                raise ValueError(f"optimizer state of parameter {index} must be a dict, got "
+                                 f"{type(values).__name__}")
             restored = {}
             for name, value in values.items():
-                if isinstance(value, (Tensor, np.ndarray)):
-                    array = np.array(value._data if isinstance(value, Tensor) else value,
-                                     order="C", copy=True)
-                    if array.dtype.kind == "f" and name != "step":
-                        if array.shape != p.shape:
-                            raise ValueError(
-                                f"optimizer state '{name}' of parameter {index} has shape "
-                                f"{array.shape}, but the parameter has shape {p.shape}")
-                        array = array.astype(p.dtype, copy=False)
-                    value = wrap(array)
+                if name == "step":
+                    value = _step_count(value, index)
+                elif isinstance(value, (Tensor, np.ndarray)):
+                    array = value._data if isinstance(value, Tensor) else value
+                    if array.dtype.kind != "f":
+                        raise TypeError(
+                            f"optimizer state '{name}' of parameter {index} has dtype "
+                            f"{array.dtype}, but optimizer buffers are floating point (the "
+                            f"parameter is {p.dtype})")
+                    if array.shape != p.shape:
+                        raise ValueError(
+                            f"optimizer state '{name}' of parameter {index} has shape "
+                            f"{array.shape}, but the parameter has shape {p.shape}")
+                    value = wrap(np.array(array, dtype=p.dtype, order="C", copy=True))
+                elif value is not None:
+                    raise TypeError(
+                        f"optimizer state '{name}' of parameter {index} must be a tensor (or "
+                        f"None), got {type(value).__name__}")
                 restored[name] = value
             state[p] = restored
         self.state = state
@@ -194,14 +212,84 @@ class Optimizer:
     # -- helpers for subclasses -------------------------------------------------------
     def _state_buffer(self, state, name, p):
         """state[name] as a zero-initialised tensor like p, in p's dtype (recast after
-        module.double() and the like)."""
+        module.double() and the like). A buffer whose shape is not p's (the parameter's
+        `.data` was replaced by another shape since the last step) is an error: the
+        kernels index every buffer with the parameter's elements."""
         buf = state.get(name)
         if buf is None:
             buf = wrap(np.zeros(p.shape, dtype=p.dtype))
             state[name] = buf
-        elif buf._data.dtype != p.dtype or not buf._data.flags.c_contiguous:
-            buf._data = np.ascontiguousarray(buf._data, dtype=p.dtype)
+        else:
+            if not isinstance(buf, Tensor):
+                raise TypeError(f"{type(self).__name__}: optimizer state '{name}' must be a "
+                                f"tensor, got {type(buf).__name__}")
+            data = buf._data
+            if data.shape != p._data.shape:
+                raise ShapeError(
+                    f"{type(self).__name__}.step(): optimizer state '{name}' has shape "
+                    f"{data.shape}, but its parameter now has shape {p._data.shape} (was the "
+                    f"parameter's .data replaced? create a new optimizer, or load a state "
+                    f"of matching shapes)")
+            if data.dtype != p._data.dtype or not data.flags.c_contiguous:
+                if data.dtype.kind != "f":
+                    raise TypeError(f"{type(self).__name__}: optimizer state '{name}' has "
+                                    f"dtype {data.dtype}; optimizer buffers are floating point")
+                buf._data = np.ascontiguousarray(data, dtype=p._data.dtype)
         return buf
+
+
+def _state_index(index):
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer, str)):
+        raise ValueError(f"optimizer state dict: parameter index {index!r} is not an integer")
+    try:
+        return int(index)
+    except ValueError:
+        raise ValueError(f"optimizer state dict: parameter index {index!r} is not an "
+                         "integer") from None
+
+
+def _step_count(value, index):
+    """A saved step count as an int >= 0 (torch saves it as a 0-d float tensor)."""
+    if isinstance(value, (Tensor, np.ndarray)):
+        array = value._data if isinstance(value, Tensor) else value
+        if array.size != 1 or array.dtype.kind not in "iuf":
+            raise ValueError(f"optimizer state 'step' of parameter {index} must be one number, "
+                             f"got an array of shape {array.shape} and dtype {array.dtype}")
+        value = array.reshape(()).item()
+    if isinstance(value, bool) or not isinstance(value, Number):
+        raise TypeError(f"optimizer state 'step' of parameter {index} must be a number, got "
+                        f"{type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0 and value == int(value) and value < 2 ** 53):
+        raise ValueError(f"optimizer state 'step' of parameter {index} must be a whole number "
+                         f">= 0, got {value}")
+    return int(value)
+
+
+def _check_param(opt, p, where):
+    """Before a kernel touches p: a float parameter with a float gradient of its shape.
+    Returns p's gradient array (any layout and float dtype)."""
+    data = p._data
+    if data.dtype != np.float32 and data.dtype != np.float64:
+        raise TypeError(f"{type(opt).__name__}.step(): {where} has dtype {data.dtype}; "
+                        "optimizers update float32 and float64 tensors")
+    grad = p._grad
+    g = grad._data if isinstance(grad, Tensor) else np.asarray(grad)
+    if g.shape != data.shape:
+        raise ShapeError(f"{type(opt).__name__}.step(): the gradient of {where} has shape "
+                         f"{g.shape}, but the parameter has shape {data.shape}")
+    if g.dtype.kind != "f":
+        raise TypeError(f"{type(opt).__name__}.step(): the gradient of {where} has dtype "
+                        f"{g.dtype}; gradients must be floating point")
+    return g
+
+
+def _bump_version(p):
+    """An optimizer step is an in-place change of p: a graph that saved p before the step
+    must refuse to run backward with the new values (torch: "modified by an inplace
+    operation")."""
+    bump = getattr(p, "_bump_version", None)
+    if bump is not None:
+        bump()
 
 
 def _flat(array):
@@ -211,8 +299,8 @@ def _flat(array):
     return np.ascontiguousarray(array).reshape(-1), True
 
 
-def _flat_grad(p):
-    g = p._grad._data
+def _flat_grad(p, g):
+    """The gradient g (checked by _check_param) as a flat contiguous array of p's dtype."""
     if g.dtype != p._data.dtype or not g.flags.c_contiguous:
         g = np.ascontiguousarray(g, dtype=p._data.dtype)
     return g.reshape(-1)

@@ -2,7 +2,9 @@
 import numpy as np
 
 from microtensor.optim._adamw import sgd_step
-from microtensor.optim.optimizer import Optimizer, _flat, _flat_grad, _num_threads
+from microtensor.optim.optimizer import (
+    Optimizer, _bump_version, _check_param, _flat, _flat_grad, _num_threads,
+)
 
 
 class SGD(Optimizer):
@@ -32,22 +34,25 @@ class SGD(Optimizer):
         """One update of every parameter that has a gradient (one kernel call each)."""
         loss = self._closure_loss(closure)
         num_threads = _num_threads()
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             momentum = group["momentum"]
-            for p in group["params"]:
+            for pi, p in enumerate(group["params"]):
                 if p._grad is None:
                     continue
-                param, copied = _flat(p._data)
-                grad = _flat_grad(p)
+                # every array the kernel reads is checked first (O(1): shapes and dtypes)
+                g = _check_param(self, p, f"parameter {pi} of param group {gi}")
                 if momentum != 0:
                     state = self.state.setdefault(p, {})
                     first_step = state.get("momentum_buffer") is None
                     buf = self._state_buffer(state, "momentum_buffer", p)._data.reshape(-1)
-                else:
+                param, copied = _flat(p._data)
+                grad = _flat_grad(p, g)
+                if momentum == 0:
                     first_step, buf = True, param   # unread when momentum is 0
                 if param.size:
                     sgd_step(param, grad, buf, group["lr"], momentum, group["dampening"],
                              group["weight_decay"], group["nesterov"], first_step, num_threads)
                 if copied:
                     np.copyto(p._data, param.reshape(p.shape))
+                _bump_version(p)
         return loss
