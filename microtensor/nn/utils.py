@@ -23,41 +23,70 @@ def _sum_of_squares(a, num_threads):
     return float(np.dot(a, a))
 
 
+def _vector_norm(a, norm_type, num_threads):
+    """||a||_p of an array as a Python float, as torch.linalg.vector_norm: p = 0 counts the
+    non-zero elements, p = inf is max |a|, p = -inf is min |a|, any other p is
+    (sum |a|^p)^(1/p) (for p < 0 an element 0 makes it 0). Accumulated in float64."""
+    if norm_type == 2.0:
+        # one pass, no float64 copy (a Cython kernel of the core)
+        return math.sqrt(_sum_of_squares(a, num_threads))
+    if a.size == 0:
+        return math.inf if norm_type == -math.inf else 0.0
+    if norm_type == 0.0:
+        return float(np.count_nonzero(a))
+    absolute = np.abs(a.astype(np.float64, copy=False))
+    if norm_type == math.inf:
+        return float(absolute.max())
+    if norm_type == -math.inf:
+        return float(absolute.min())
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return float(np.sum(absolute ** norm_type) ** (1.0 / norm_type))
+
+
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """Scale all gradients together so that their joint norm is at most max_norm.
 
-    total = ||(||g_1||, ||g_2||, ...)||  (the norm of all gradients as one vector);
-    when max_norm / (total + 1e-6) < 1 every gradient is multiplied by it, in place.
-    Returns the total norm (before clipping) as a 0-d tensor.
+    total = ||(||g_1||, ||g_2||, ...)||  (the norm of each gradient, then the norm of those
+    norms, as torch: for p = 0, the number of gradients with a non-zero element);
+    every gradient is multiplied by min(max_norm / (total + 1e-6), 1), in place (so a NaN
+    total makes every gradient NaN, as torch). Returns the total norm (before clipping)
+    as a 0-d tensor. norm_type: any float, inf or -inf (also as the strings 'inf', '-inf').
     """
     grads = _grads(parameters)
-    max_norm, norm_type = float(max_norm), float(norm_type)
+    max_norm = float(max_norm)
+    try:
+        norm_type = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"clip_grad_norm_: norm_type must be a number, inf or -inf, got "
+                         f"{norm_type!r}") from None
+    if math.isnan(norm_type):
+        raise ValueError("clip_grad_norm_: norm_type is NaN")
     if not grads:
         return wrap(np.array(0.0, dtype=np.float32))
     dtype = np.result_type(*[g._data.dtype for g in grads])
-    # NOTE: the norms are accumulated in float64 whatever the gradients' dtype
-    if math.isinf(norm_type):
-        total = max(float(np.abs(g._data).max(initial=0.0)) for g in grads)
-    elif norm_type == 2.0:
-        # one pass over each gradient, no float64 copy (a Cython kernel of the core)
-        nt = _core.get_num_threads()
+    if dtype.kind != "f":
+        dtype = np.dtype(np.float32)
+    nt = _core.get_num_threads()
+    if norm_type == 2.0:       # sqrt(sum of squares) at once: no square root per gradient
         total = math.sqrt(sum(_sum_of_squares(g._data, nt) for g in grads))
     else:
-        total = sum(float(np.sum(np.abs(g._data.astype(np.float64)) ** norm_type))
-                    for g in grads) ** (1.0 / norm_type)
+        norms = np.array([_vector_norm(g._data, norm_type, nt) for g in grads])
+        total = _vector_norm(norms, norm_type, nt)
     total_norm = np.array(total, dtype=dtype)
     if error_if_nonfinite and not np.isfinite(total_norm):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
                            "`parameters` is non-finite, so it cannot be clipped. To disable "
                            "this error and scale the gradients by the non-finite norm anyway, "
                            "set `error_if_nonfinite=False`")
-    clip_coef = dtype.type(max_norm) / (total_norm + dtype.type(1e-6))
-    if clip_coef < 1:
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        clip_coef = dtype.type(max_norm) / (total_norm + dtype.type(1e-6))
+    if not clip_coef >= 1:     # also when it is NaN: NaN spreads, as in torch
         for g in grads:
-            if g._data.flags.writeable:
-                np.multiply(g._data, clip_coef, out=g._data, casting="unsafe")
-            else:
-                g._data = (g._data * clip_coef).astype(g._data.dtype)
+            with np.errstate(invalid="ignore", over="ignore"):
+                if g._data.flags.writeable:
+                    np.multiply(g._data, clip_coef, out=g._data, casting="unsafe")
+                else:
+                    g._data = (g._data * clip_coef).astype(g._data.dtype)
     return wrap(total_norm)
 
 
