@@ -162,26 +162,42 @@ def check_sampling(temperature, top_k, top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
-    """One token id per row of logits (B, vocab), as an int64 array (B, 1)."""
-    if temperature == 0:
-        return logits.argmax(axis=-1)[:, None].astype(np.int64)
-    logits = logits.astype(np.float64) / temperature
+def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    """The distribution sample_next draws from: probabilities (B, vocab) in float64.
+
+    logits / temperature, then top_k keeps the k likeliest tokens (ties with the k-th
+    kept too), then top_p (nucleus) keeps the smallest set of likeliest tokens whose
+    probability reaches top_p: sorted from the likeliest, a token is kept while the mass
+    of the tokens before it is still below top_p (so the first token always stays, and at
+    an exact boundary, mass == top_p, the next token is dropped). The kept probabilities
+    are renormalised. temperature must be > 0 here (0 is greedy, see sample_next)."""
+    logits = np.asarray(logits, dtype=np.float64) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = np.partition(logits, -top_k, axis=-1)[:, -top_k][:, None]  # (B, 1)
         logits = np.where(logits < kth, -np.inf, logits)
     probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
     if top_p is not None and top_p < 1.0:
-        # nucleus: keep the likeliest tokens until their mass reaches top_p (always >= 1)
-        order = np.argsort(-probs, axis=-1)
+        order = np.argsort(-probs, axis=-1, kind="stable")  # likeliest first, ties by id
         sorted_probs = np.take_along_axis(probs, order, axis=-1)
-        mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+        # NOTE: the mass before each token is the running sum shifted by one, not
+        # cumsum - p: that subtraction rounds, and a token sitting exactly on the
+        # boundary could then be kept
+        mass_before = np.zeros_like(sorted_probs)
+        np.cumsum(sorted_probs[:, :-1], axis=-1, out=mass_before[:, 1:])
         keep_sorted = mass_before < top_p
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
+    """One token id per row of logits (B, vocab), as an int64 array (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(axis=-1)[:, None].astype(np.int64)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
     cdf = np.cumsum(probs, axis=-1)  # (B, vocab)
     u = mt._core.default_generator().random((probs.shape[0], 1)) * cdf[:, -1:]
     choice = (cdf <= u).sum(axis=-1)  # first index whose cdf exceeds u
