@@ -97,6 +97,8 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
 
     a (M, K) and b (K, N) may be contiguous or transposed views of contiguous arrays;
     `out` (M, N), when given, must be C-contiguous."""
+    if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+        raise TypeError(f"gemm takes numpy arrays, got {type(a).__name__} and {type(b).__name__}")
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"gemm takes 2-D arrays, got shapes {a.shape} and {b.shape}")
     if a.shape[1] != b.shape[0]:
@@ -107,8 +109,10 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
     if out is None:
         out = np.empty((M, N), dtype=a.dtype)
         beta = 0.0
-    elif out.shape != (M, N) or out.dtype != a.dtype or not out.flags.c_contiguous:
-        raise ValueError(f"gemm: out must be a C-contiguous {a.dtype} array of shape {(M, N)}")
+    elif (not isinstance(out, np.ndarray) or out.shape != (M, N) or out.dtype != a.dtype
+          or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"gemm: out must be a writeable C-contiguous {a.dtype} array of shape "
+                         f"{(M, N)}")
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -144,6 +148,9 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
 def batched_gemm(a, b, out=None, int num_threads=1):
     """out[i] = a[i] @ b[i] for 3-D arrays (batch, M, K) @ (batch, K, N); each of a[i],
     b[i] contiguous or a transposed view. Threads take whole matrices."""
+    if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+        raise TypeError(f"batched_gemm takes numpy arrays, got {type(a).__name__} and "
+                        f"{type(b).__name__}")
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"batched_gemm: shapes {a.shape} and {b.shape} do not multiply")
     if a.dtype != b.dtype or a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8):
@@ -151,6 +158,10 @@ def batched_gemm(a, b, out=None, int num_threads=1):
     cdef int L = a.shape[0], M = a.shape[1], K = a.shape[2], N = b.shape[2]
     if out is None:
         out = np.empty((L, M, N), dtype=a.dtype)
+    elif (not isinstance(out, np.ndarray) or out.shape != (L, M, N) or out.dtype != a.dtype
+          or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"batched_gemm: out must be a writeable C-contiguous {a.dtype} array "
+                         f"of shape {(L, M, N)}")
     if L == 0 or M == 0 or N == 0:
         return out
     if K == 0:
