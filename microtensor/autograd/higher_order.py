@@ -29,8 +29,8 @@ import numpy as np
 import scipy.special
 
 import microtensor._core as C
-import microtensor.nn.functional as F
 from microtensor._core import Tensor, Node, wrap, attach, needs_graph
+from microtensor import _fused_attention
 
 RULES = {}
 
@@ -409,18 +409,20 @@ def _matmul(node, g):
 
 
 # ---- fused ops (nn/functional.py) -----------------------------------------------------
+# Keyed by name: nn sits above this module, which never imports it.
+_F = "microtensor.nn.functional."
 
-@register(F.SoftmaxBackward)
+@register(_F + "SoftmaxBackward")
 def _softmax(node, g):
     """y = softmax(x);  dx = y * (g - sum(g * y))"""
-    y = F.softmax(node.inputs[0], node.dim)
+    y = C.softmax(node.inputs[0], node.dim)
     return (C.mul(y, C.sub(g, C.sum(C.mul(g, y), node.dim, True))),)
 
 
-@register(F.LogSoftmaxBackward)
+@register(_F + "LogSoftmaxBackward")
 def _log_softmax(node, g):
     """y = log_softmax(x);  dx = g - softmax(x) * sum(g)"""
-    p = F.softmax(node.inputs[0], node.dim)
+    p = C.softmax(node.inputs[0], node.dim)
     return (C.sub(g, C.mul(p, C.sum(g, node.dim, True))),)
 
 
@@ -455,7 +457,7 @@ def _normal_cdf(node, g):
     return (C.mul(g, _normal_pdf(node.inputs[0])),)
 
 
-@register(F.GeluBackward)
+@register(_F + "GeluBackward")
 def _gelu(node, g):
     """exact: y = x Phi(x),  dx = g (Phi(x) + x phi(x));
     tanh: y = x (1 + t) / 2,  t = tanh(u),  u = c (x + 0.044715 x^3),
@@ -471,7 +473,7 @@ def _gelu(node, g):
     return (C.mul(g, local),)
 
 
-@register(F.SiluBackward)
+@register(_F + "SiluBackward")
 def _silu(node, g):
     """y = x s(x);  dx = g s (1 + x (1 - s))"""
     x = node.inputs[0]
@@ -479,7 +481,7 @@ def _silu(node, g):
     return (C.mul(g, C.mul(s, C.add(C.mul(x, C.sub(1.0, s)), 1.0))),)
 
 
-@register(F.LinearBackward)
+@register(_F + "LinearBackward")
 def _linear(node, g):
     """y = x @ W^T + b;  dx = g @ W,  dW = g^T @ x,  db = sum_rows(g)"""
     x, w = node.inputs[0], node.inputs[1]
@@ -514,7 +516,7 @@ def _norm_dims(node):
     return tuple(range(nd - k, nd))
 
 
-@register(F.LayerNormBackward)
+@register(_F + "LayerNormBackward")
 def _layer_norm(node, g):
     """(from primitives) y = (x - mean) / sqrt(var + eps) * w + b"""
     dims, eps = _norm_dims(node), _row_eps(node, node.x2, True)
@@ -531,7 +533,7 @@ def _layer_norm(node, g):
     return _through_primitives(forward, node.inputs, g)
 
 
-@register(F.RMSNormBackward)
+@register(_F + "RMSNormBackward")
 def _rms_norm(node, g):
     """(from primitives) y = x / sqrt(mean(x^2) + eps) * w"""
     dims, eps = _norm_dims(node), _row_eps(node, node.x2, False)
@@ -542,7 +544,7 @@ def _rms_norm(node, g):
     return _through_primitives(forward, node.inputs, g)
 
 
-@register(F.CrossEntropyBackward)
+@register(_F + "CrossEntropyBackward")
 def _cross_entropy(node, g):
     """loss_i = logsumexp(x_i) - x_i[t_i];  dx_i = g_i (softmax(x_i) - q_i),
     q_i = (1 - eps) onehot(t_i) + eps / C;  0 on ignored rows, / count for 'mean'"""
@@ -563,7 +565,7 @@ def _cross_entropy(node, g):
     else:
         scale = 1.0 / max(node.count, 1) if node.reduction == "mean" else 1.0
         dloss = C.mul(g, _const(keep[:, None] * scale, dtype))          # (M, 1)
-    drows = C.mul(C.sub(F.softmax(rows, -1), target), dloss)
+    drows = C.mul(C.sub(C.softmax(rows, -1), target), dloss)
     if node.how == "second":
         x_shape = node.x_shape
         moved = C.reshape(drows, (x_shape[0],) + tuple(x_shape[2:]) + (x_shape[1],))
@@ -572,7 +574,7 @@ def _cross_entropy(node, g):
     return (C.reshape(drows, node.x_shape), None)
 
 
-@register(F.MSELossBackward)
+@register(_F + "MSELossBackward")
 def _mse_loss(node, g):
     """loss = reduce((x - y)^2);  dx = 2 (x - y) g / n,  dy = -dx"""
     a, b = node.inputs
@@ -586,7 +588,7 @@ def _mse_loss(node, g):
             C.neg(_sum_to(d, node.b_shape)) if _wants(node, 1) else None)
 
 
-@register(F.EmbeddingBackward)
+@register(_F + "EmbeddingBackward")
 def _embedding(node, g):
     """y = W[idx];  dW[idx[i]] += g[i]   (padding_idx row: 0)"""
     V, D = node.weight_shape
@@ -598,13 +600,13 @@ def _embedding(node, g):
     return (None, dweight)
 
 
-@register(F.DropoutBackward)
+@register(_F + "DropoutBackward")
 def _dropout(node, g):
     """y = x * m / (1 - p);  dx = g * m / (1 - p)"""
     return (C.mul(g, node.mask),)
 
 
-@register(F.AttentionBackward)
+@register(_F + "AttentionBackward")
 def _attention(node, g):
     """(from primitives) o = dropout(softmax(scale * q @ k^T + mask)) @ v"""
     batch, Tq, Tk = node.batch, node.q.shape[1], node.k.shape[1]
@@ -615,7 +617,8 @@ def _attention(node, g):
     keep = None
     if node.dropout_p > 0:
         keep = np.empty((node.q.shape[0], Tq, Tk), dtype=dtype)
-        F._attention.attention_dropout_mask(keep, node.seed, node.dropout_p)
+        # the same counter-based draws in every build of the kernels
+        _fused_attention.attention_dropout_mask(keep, node.seed, node.dropout_p)
         keep = keep.reshape(batch + (Tq, Tk))
     causal = np.tril(np.ones((Tq, Tk), dtype=bool)) if node.is_causal else None
 
@@ -632,7 +635,7 @@ def _attention(node, g):
         dead = np.all(np.isneginf(scores._data), axis=-1, keepdims=True)
         if dead.any():
             scores = C.where(dead, 0.0, scores)
-        p = F.softmax(scores, -1)
+        p = C.softmax(scores, -1)
         if dead.any():
             p = C.where(dead, 0.0, p)
         if keep is not None:
