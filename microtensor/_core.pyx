@@ -12,9 +12,11 @@ into this one extension so that ops reach tensors' fields at C speed:
   tensor.pxi          Tensor, Parameter, creation functions, the random generator
   ops_pointwise.pxi   + - * / ** and unary ops, where, masked_fill, comparisons
   ops_reduce.pxi      sum, mean, var, amax/max, argmax, softmax, log_softmax
-  ops_shape.pxi       reshape/view, permute, expand, cat/stack, split, indexing, matmul
+  ops_shape.pxi       reshape/view, permute, expand, cat/stack, split, indexing
+  ops_matmul.pxi      matmul (every product goes to BLAS through microtensor._blas)
 
-Each op is a function with its Backward node class right below it.
+Each op is a Backward node class (its rule, math in the first docstring line) with
+the forward function right below it.
 """
 import numpy as np
 cimport numpy as cnp
@@ -28,3 +30,4 @@ include "tensor.pxi"
 include "ops_pointwise.pxi"
 include "ops_reduce.pxi"
 include "ops_shape.pxi"
+include "ops_matmul.pxi"

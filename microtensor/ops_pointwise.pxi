@@ -1,4 +1,4 @@
-# Elementwise ops: each forward function sits right above its Backward node.
+# Elementwise ops: each Backward node (the rule) sits right above its forward function.
 # Broadcasting is undone in exactly one place: unbroadcast().
 
 cdef object unbroadcast(object grad, tuple shape):

@@ -1,0 +1,89 @@
+# Matmul: numpy's semantics (batched, broadcasting, 1-D operands), every float product
+# through microtensor._blas (one thread pool, transposes passed as flags, not copied).
+
+from microtensor import _blas
+
+
+cdef Py_ssize_t _SMALL_MATMUL = 1 << 14   # multiply-adds
+
+
+cdef object _mm(object x, object y):
+    """x @ y with numpy's semantics; float32/float64 products of 2-D and 3-D operands
+    go to microtensor._blas (one thread pool, transposes as flags), the rest to numpy."""
+    if x.dtype != y.dtype or (x.dtype != float32 and x.dtype != float64):
+        return np.matmul(x, y)
+    cdef int nt = _num_threads
+    if x.ndim == 2 and y.ndim == 2:
+        if x.shape[0] * x.shape[1] * y.shape[1] < _SMALL_MATMUL:
+            return np.matmul(x, y)  # tiny: numpy's call costs less, and runs on one thread
+        return _blas.gemm(x, y, num_threads=nt)
+    if x.ndim >= 3 and y.ndim == 2:
+        # (..., T, C) @ (C, N): one 2-D product over all rows instead of many small ones
+        out = _blas.gemm(x.reshape(-1, x.shape[-1]), y, num_threads=nt)
+        return out.reshape(x.shape[:-1] + (y.shape[1],))
+    if x.ndim == 3 and y.ndim == 3 and x.shape[0] == y.shape[0]:
+        return _blas.batched_gemm(x, y, num_threads=nt)
+    return np.matmul(x, y)
+
+cdef class MatmulBackward(Node):
+    """y = a @ b;  da = g @ b^T,  db = a^T @ g   (batch dims unbroadcast)"""
+    cdef readonly object a, b
+    cpdef tuple backward(self, g):
+        a, b = self.a, self.b
+        a1, b1 = a.ndim == 1, b.ndim == 1
+        if a1 and b1:                  # a dot product: g is 0-d
+            return (g * b if self.inputs[0] is not None else None,
+                    g * a if self.inputs[1] is not None else None)
+        a2 = a[None, :] if a1 else a
+        b2 = b[:, None] if b1 else b
+        if a1:
+            g = np.expand_dims(g, -2)
+        if b1:
+            g = np.expand_dims(g, -1)
+        da = db = None
+        if self.inputs[0] is not None:
+            da = _mm(g, np.swapaxes(b2, -1, -2))
+            if a1:
+                da = da.reshape(da.shape[:-2] + (da.shape[-1],))
+            da = unbroadcast(da, a.shape)
+        if self.inputs[1] is not None:
+            if b2.ndim == 2 and a2.ndim > 2:
+                # sum over the batch of a_i^T g_i = one 2-D product of the flattened rows
+                db = _mm(a2.reshape(-1, a2.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+            else:
+                db = _mm(np.swapaxes(a2, -1, -2), g)
+            if b1:
+                db = db[..., 0]
+            db = unbroadcast(db, b.shape)
+        return (da, db)
+
+    cpdef release(self):
+        self.a = self.b = None
+
+
+def matmul(a, b):
+    x, y = _operand(a), _operand(b)
+    if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray) or x.ndim == 0 or y.ndim == 0:
+        raise ShapeError("matmul: both arguments need at least 1 dimension "
+                         f"(got shapes {tuple(_shape_of(x))} and {tuple(_shape_of(y))})")
+    kx = x.shape[-1]
+    ky = y.shape[0] if y.ndim == 1 else y.shape[-2]
+    if kx != ky:
+        raise ShapeError(f"matmul: shapes {x.shape} and {y.shape} cannot be multiplied "
+                         f"({kx} != {ky} in the inner dimension)")
+    try:
+        out = _mm(x, y)
+    except ValueError:
+        raise ShapeError(f"matmul: batch dims of {x.shape} and {y.shape} cannot be broadcast") from None
+    cdef Tensor res = Tensor._wrap(_promote(out, x, y))
+    cdef tuple inputs = (a if isinstance(a, Tensor) else None, b if isinstance(b, Tensor) else None)
+    cdef MatmulBackward node
+    if _needs_graph(inputs):
+        node = MatmulBackward.__new__(MatmulBackward)
+        node.a, node.b = x, y
+        _attach(res, node, inputs)
+    return res
+
+
+# which tensors the rule reads in backward (version checks)
+declare_saved(MatmulBackward, 0, 1)
