@@ -61,17 +61,6 @@ cdef unsigned long long _MIX2 = 0x94D049BB133111EB
 from microtensor._blas import pin_blas_threads
 
 
-cdef int _blas_enter(int num_threads) except -2:
-    """Before a kernel: scipy's BLAS on one thread (pinned once by microtensor._blas and
-    left there). Returns 0, or -1 when its threads cannot be controlled (the kernel then
-    runs on one thread)."""
-    return 0 if pin_blas_threads() else -1
-
-
-cdef _blas_exit(int entered):
-    pass
-
-
 def blas_thread_control_found():
     """True when the BLAS threads are pinned to one (else kernels use one thread)."""
     return pin_blas_threads()
@@ -235,8 +224,7 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
     hs, hv = <int>q.shape[2], <int>v.shape[2]
     num_threads = clamp_threads(num_threads)
     rows = imin(block, Tq)
-    cdef int prev_blas = _blas_enter(num_threads)
-    if prev_blas < 0:
+    if not pin_blas_threads():      # scipy's BLAS threads out of our hands: one thread
         num_threads = 1
     scratch = <real*>scratch_alloc(rows * Tk * num_threads, sizeof(real))
     try:
@@ -289,7 +277,6 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
                          <real>0, &out[bh, i0, 0], hv)
     finally:
         free(scratch)
-        _blas_exit(prev_blas)
 
 
 @cython.wraparound(False)
@@ -338,8 +325,7 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
     num_threads = clamp_threads(num_threads)
     rows = imin(block, Tq)
     per_thread = rows * Tk * (3 if dropout_p > 0 else 2)
-    cdef int prev_blas = _blas_enter(num_threads)
-    if prev_blas < 0:
+    if not pin_blas_threads():      # scipy's BLAS threads out of our hands: one thread
         num_threads = 1
     scratch = <real*>scratch_alloc(per_thread * num_threads, sizeof(real))
     try:
@@ -409,4 +395,3 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
                          <real>1, &dk[bh, 0, 0], hs)
     finally:
         free(scratch)
-        _blas_exit(prev_blas)
