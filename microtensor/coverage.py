@@ -229,8 +229,8 @@ def render():
         "it (`torch.X` as `mt.X`, `Tensor.X` as a method or attribute, `F.X` as "
         "`mt.nn.functional.X`); each implemented function follows PyTorch's semantics and is "
         "compared with torch in the tests (gradients checked in float64 where it is "
-        "differentiable). The contract itself is the API section of the README and the "
-        "docstrings.",
+        "differentiable). `where` is the module that defines it; a **no** is a name a "
+        "torch script may reach for that is not there yet.",
         "",
         "| section | implemented | of |",
         "| --- | ---: | ---: |",
