@@ -27,12 +27,16 @@ forward and twice that backward; elementwise work is not counted).
 
 A sweep (--threads with several counts) runs in one process: each config's two models
 are built once, and every round visits every thread count, both engines at each (1: A B,
-2: A B, ...), so a change of load hits every cell; after a switch of the thread count
-each engine takes one untimed step (none with --warmup 0). It prints the scaling table
+2: A B, ...), so a change of load hits every cell; the warm-up steps run at every
+thread count before the first round. It prints the scaling table
 (ms per step of both engines, their ratio, GFLOP/s of matmul work and the config's
 matmul ceiling at that thread count) and draws tokens/s against threads, one panel per
 config (--plot; by default out-bench/scaling_<configs>.png). Thread counts above the
-CPUs this process may run on are skipped, with a note.
+CPUs this process may run on are skipped, with a note. --plot-from redraws the picture
+(and reprints the table) from the JSON of earlier sweeps, e.g. one taken on another
+machine, or one run per config:
+
+    python benchmarks/bench_train.py --plot-from sweep.jsonl --plot docs/img/scaling_x.png
 """
 import argparse
 import json
@@ -511,9 +515,6 @@ def sweep_config(name, counts, args, text, torch):
             if n != current:
                 C.setup_threads(n, torch, args.scipy_blas_threads)
                 current = n
-                if warmup > 0 and len(counts) > 1:  # one untimed step after a switch
-                    for e in engines:
-                        run(e)
             for e in engines:
                 C.quiesce()
                 for _ in range(k):
@@ -521,6 +522,8 @@ def sweep_config(name, counts, args, text, torch):
                     times[(n, e)].append(dt)
                     losses[(n, e)].append(loss)
         done += k
+        print(f"# {name}: {done}/{steps} timed steps per engine and thread count "
+              f"(load average {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     flops = C.step_flops(cfg, vocab)
     tokens = cfg["batch_size"] * cfg["block_size"]
     result = {"config": name, "cfg": cfg, "vocab_size": vocab, "steps": steps,
@@ -568,16 +571,17 @@ def print_sweep(results):
                 f"{base['microtensor']['ms_median'] / m['ms_median']:.2f}x",
                 f"{base['torch']['ms_median'] / tt['ms_median']:.2f}x" if tt else ""])
     print(C.table(headers, rows))
-    if results and "torch" in results[0]["by_threads"][0]["engines"]:
+    if any("torch" in t["engines"] for r in results for t in r["by_threads"]):
         print("\nms per step, microtensor / torch (ratio):\n")
-        counts = [t["threads"] for t in results[0]["by_threads"]]
+        counts = sorted({t["threads"] for r in results for t in r["by_threads"]})
         rows = []
-        for i, n in enumerate(counts):
+        for n in counts:
             row = [n]
             for r in results:
-                t = r["by_threads"][i]
+                t = {t["threads"]: t for t in r["by_threads"]}.get(n)
                 row.append(f"{t['engines']['microtensor']['ms_median']:.1f} / "
-                           f"{t['engines']['torch']['ms_median']:.1f} ({t['ratio_mt_over_torch']:.2f})")
+                           f"{t['engines']['torch']['ms_median']:.1f} ({t['ratio_mt_over_torch']:.2f})"
+                           if t and "ratio_mt_over_torch" in t else "")
             rows.append(row)
         print(C.table(["threads"] + [f"{r['config']} mt/torch ms" for r in results], rows))
     for r in results:
@@ -651,6 +655,31 @@ def run_sweep(names, counts, args, text, torch, info):
     return out
 
 
+def replot(paths, plot):
+    """The table and the picture of sweeps recorded with --json (one config per panel;
+    a config recorded twice: the last record)."""
+    by_config, machine = {}, None
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line) if line.strip() else {}
+                for r in rec.get("sweep", {}).get("results", []):
+                    by_config.pop(r["config"], None)
+                    by_config[r["config"]] = r
+                    machine = rec.get("machine", machine)
+    if not by_config:
+        raise SystemExit(f"no thread sweep recorded in {', '.join(paths)}")
+    results = list(by_config.values())
+    print_sweep(results)
+    title = ""
+    if machine:
+        title = (f"{machine['cpu']}, {machine.get('cpus_available', machine['cores'])} CPUs, "
+                 f"BLAS kernel {machine['blas_corename']}")
+    if plot_sweep(results, plot, title):
+        print(f"# plot: {plot}")
+    return {"results": results, "plot": plot}
+
+
 # ---- main ------------------------------------------------------------------------
 
 def main(argv=None):
@@ -683,6 +712,9 @@ def main(argv=None):
                    help="sweep: where to draw tokens/s against threads "
                    "(default out-bench/scaling_<configs>.png)")
     p.add_argument("--no-plot", action="store_true", help="sweep: draw nothing")
+    p.add_argument("--plot-from", nargs="+", metavar="JSONL", default=None,
+                   help="print the table and draw --plot from the sweeps recorded in these "
+                   "--json files (their configs in order; the last record of a config wins)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
     p.add_argument("--isolate", action="store_true",
                    help="run each engine in its own child process (rounds alternate "
@@ -699,6 +731,8 @@ def main(argv=None):
     if args.child:
         args.config = args.config.split(",")[0]
         return child_main(args)
+    if args.plot_from:
+        return replot(args.plot_from, args.plot or os.path.join("out-bench", "scaling.png"))
 
     names = args.config.split(",")
     for n in names:

@@ -136,6 +136,10 @@ def test_bench_train_thread_sweep(tmp_path, capsys, restore_threads):
             res["first_losses"]["torch"][0], rel=1e-5)
     assert sweep["plot"] == str(plot) and plot.stat().st_size > 1000
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the table and the picture again, from the JSON alone
+    again = tmp_path / "again.png"
+    bench_train.main(["--plot-from", str(record), "--plot", str(again)])
+    assert "| tiny" in capsys.readouterr().out and again.stat().st_size > 1000
 
 
 def test_bench_train_threads_argument():
