@@ -92,3 +92,22 @@ def test_no_hook_is_left_in_the_engine_after_a_split():
         assert len(calls) == n
     finally:
         residual.SkipStream.step = original
+
+
+def test_the_split_under_create_graph():
+    # create_graph=True runs the engine's create-graph rules instead of the per-node hook;
+    # the split rides on those the same way
+    block = Residual(4).double()
+    x = mt.randn(3, 4, dtype=mt.float64, requires_grad=True)
+    rec = mti.GradientRecorder(block, keep_grads=True)
+    with rec:
+        y = block(x)
+    (gx,) = mt.autograd.grad((y * y).sum(), x, create_graph=True)
+    assert gx.requires_grad
+    g = rec[""].grads
+    np.testing.assert_allclose(g["skip"], 2.0 * y.detach().numpy(), rtol=1e-12)   # dL/dy
+    np.testing.assert_allclose(g["skip"] + g["branch"], gx.detach().numpy(), rtol=1e-12,
+                               atol=1e-15)
+    assert residual._streams == []
+    (again,) = mt.autograd.grad((block(x) ** 2).sum(), x, create_graph=True)
+    np.testing.assert_allclose(again.detach().numpy(), gx.detach().numpy(), rtol=1e-12)

@@ -6,9 +6,10 @@ additions, dL/dx splits into the part that came along the skip path (every branc
 cut) and the part that came through the branches.
 
 The skip part is carried by the engine's own backward pass: while a split is pending,
-`_core.set_backward_profiler` routes every node through `_traverse`, which runs the
-node's rule once for the real gradient and, for a node on the skip path, once more for
-the skip gradient, passing the result only along uncut edges. The engine's order
+the engine's per-node hooks (`_core.set_backward_profiler`, and under create_graph
+`_core.register_create_graph_rule`) route every node through `_traverse`, which runs
+the node's rule once for the real gradient and, for a node on the skip path, once more
+for the skip gradient, passing the result only along uncut edges. The engine's order
 (every consumer before its producer) makes each skip gradient complete when its node
 runs, exactly as it does for the real one.
 """
@@ -152,10 +153,9 @@ class SkipStream:
 _streams = []        # the skip streams of the backward pass now running
 
 
-def _traverse(node, grad):
-    """The engine's per-node hook while skip streams are pending (see the module doc).
-    The skip rules run first, before the engine's own call (and before it frees the
-    node's saved values)."""
+def _step_streams(node):
+    """Run the skip rules waiting at `node` (before the engine runs the node's own rule
+    and frees its saved values); let go of the engine's hooks when none is left."""
     try:
         for stream in list(_streams):
             stream.step(node)
@@ -163,12 +163,35 @@ def _traverse(node, grad):
                 _streams.remove(stream)
     except BaseException:
         _streams.clear()
-        _core.set_backward_profiler(_profiler.backward_hook())
+        _restore_hooks()
         raise
     if not _streams:
-        _core.set_backward_profiler(_profiler.backward_hook())
+        _restore_hooks()
+
+
+def _traverse(node, grad):
+    """The engine's per-node hook while skip streams are pending (see the module doc)."""
+    _step_streams(node)
     outer = _profiler.backward_hook()
     return outer(node, grad) if outer is not None else node.backward(grad)
+
+
+def _traverse_create_graph(node, grad):
+    """The same under create_graph=True, around the engine's create-graph rule."""
+    from microtensor.autograd import higher_order
+    _step_streams(node)
+    return higher_order.create_graph_rule(node, grad)
+
+
+def _install_hooks():
+    _core.set_backward_profiler(_traverse)
+    _core.register_create_graph_rule(_traverse_create_graph)
+
+
+def _restore_hooks():
+    from microtensor.autograd import higher_order
+    _core.set_backward_profiler(_profiler.backward_hook())
+    _core.register_create_graph_rule(higher_order.create_graph_rule)
 
 
 def start_stream(path, grad_y):
@@ -177,7 +200,7 @@ def start_stream(path, grad_y):
     stream = SkipStream(path, grad_y)
     if not stream.done:
         _streams.append(stream)
-        _core.set_backward_profiler(_traverse)
+        _install_hooks()
     return stream
 
 
@@ -186,4 +209,4 @@ def stop_stream(stream):
     if stream in _streams:
         _streams.remove(stream)
         if not _streams:
-            _core.set_backward_profiler(_profiler.backward_hook())
+            _restore_hooks()
