@@ -33,7 +33,7 @@ import numpy as np
 
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "all_reduce", "broadcast",
            "barrier", "all_gather_object", "abort_on_error", "DistributedError", "get_timeout",
-           "set_timeout"]
+           "set_timeout", "init_process_group", "destroy_process_group"]
 
 DEFAULT_TIMEOUT = 300.0   # seconds a collective may wait for the other ranks
 TIMEOUT_ENV = "MICROTENSOR_DIST_TIMEOUT"
@@ -129,6 +129,26 @@ def init(timeout=None):
     if _state.world_size > 1:
         _install_exit_guard()
     return _state.rank, _state.world_size
+
+
+def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                       **kwargs):
+    """torch.distributed's name for init(): the backend is MPI whatever is asked (nanoGPT
+    passes "nccl" or "gloo"); rank and world size come from the MPI launcher, and a
+    rank or world size that disagrees with it is an error."""
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+    r, n = init(seconds)
+    if world_size not in (-1, None) and world_size != n:
+        raise RuntimeError(f"init_process_group: world_size={world_size}, but the MPI launcher "
+                           f"started {n} processes")
+    if rank not in (-1, None) and rank != r:
+        raise RuntimeError(f"init_process_group: rank={rank}, but MPI gave this process rank {r}")
+
+
+def destroy_process_group(group=None):
+    """The end of the job: wait for every rank (MPI itself is finalised at exit)."""
+    if _state.initialized and _state.world_size > 1:
+        barrier()
 
 
 def is_initialized():

@@ -453,3 +453,32 @@ def test_clip_grad_norm_against_torch():
         assert float(n1) == pytest.approx(float(n2), rel=1e-12)
         for a, b in zip(ours, theirs):
             np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-12)
+
+
+def test_forward_hooks_with_kwargs_and_always_call():
+    class Scale(nn.Module):
+        def forward(self, x, factor=1.0):
+            if factor < 0:
+                raise ValueError("negative factor")
+            return x * factor
+
+    m = Scale()
+    seen = []
+    m.register_forward_pre_hook(lambda mod, args, kwargs: (args, {"factor": kwargs["factor"] * 2}),
+                                with_kwargs=True)
+    m.register_forward_hook(lambda mod, args, kwargs, out: seen.append((kwargs, out)),
+                            with_kwargs=True)
+    done = []
+    m.register_forward_hook(lambda mod, args, out: done.append(out), always_call=True)
+    out = m(mt.ones(2), factor=1.5)
+    np.testing.assert_array_equal(out.numpy(), [3.0, 3.0])
+    assert seen[0][0] == {"factor": 3.0}
+    with pytest.raises(ValueError):
+        m(mt.ones(2), factor=-1.0)
+    assert done[-1] is None and len(done) == 2
+    order = []
+    m2 = Scale()
+    m2.register_forward_pre_hook(lambda mod, args: order.append("b"))
+    m2.register_forward_pre_hook(lambda mod, args: order.append("a"), prepend=True)
+    m2(mt.ones(1))
+    assert order == ["a", "b"]

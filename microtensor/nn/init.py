@@ -12,7 +12,8 @@ from microtensor import _core
 from microtensor._core import Tensor
 
 __all__ = ["calculate_gain", "normal_", "uniform_", "zeros_", "ones_", "constant_",
-           "xavier_uniform_", "xavier_normal_"]
+           "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+           "trunc_normal_", "orthogonal_", "eye_"]
 
 
 def _check(t):
@@ -107,3 +108,69 @@ def xavier_normal_(tensor, gain=1.0):
     """t ~ N(0, std^2) with std = gain * sqrt(2 / (fan_in + fan_out))."""
     fan_in, fan_out = _fans(_check(tensor))
     return normal_(tensor, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)))
+
+
+def _kaiming_std(tensor, a, mode, nonlinearity):
+    fan_in, fan_out = _fans(_check(tensor))
+    if mode not in ("fan_in", "fan_out"):
+        raise ValueError(f"mode must be 'fan_in' or 'fan_out', got {mode!r}")
+    fan = fan_in if mode == "fan_in" else fan_out
+    return calculate_gain(nonlinearity, a) / math.sqrt(fan)
+
+
+def kaiming_uniform_(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu"):
+    """t ~ U(-b, b) with b = gain * sqrt(3 / fan) (He et al. 2015), as torch."""
+    bound = math.sqrt(3.0) * _kaiming_std(tensor, a, mode, nonlinearity)
+    return uniform_(tensor, -bound, bound)
+
+
+def kaiming_normal_(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu"):
+    """t ~ N(0, std^2) with std = gain / sqrt(fan) (He et al. 2015), as torch."""
+    return normal_(tensor, 0.0, _kaiming_std(tensor, a, mode, nonlinearity))
+
+
+def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0):
+    """t ~ N(mean, std^2) restricted to [a, b] (redrawing what falls outside)."""
+    _check(tensor)
+    if std < 0 or a >= b:
+        raise ValueError(f"trunc_normal_: needs std >= 0 and a < b, got std={std}, a={a}, b={b}")
+    gen = _core.default_generator()
+    out = np.empty(tensor._data.shape, dtype=np.float64)
+    flat = out.reshape(-1)
+    todo = np.arange(flat.size)
+    for _ in range(1000):
+        if todo.size == 0:
+            break
+        flat[todo] = mean + std * gen.standard_normal(todo.size)
+        todo = todo[(flat[todo] < a) | (flat[todo] > b)]
+    np.clip(flat, a, b, out=flat)   # what 1000 redraws left outside (an interval far in a tail)
+    tensor._data[...] = out
+    return tensor
+
+
+def orthogonal_(tensor, gain=1.0):
+    """A (semi-)orthogonal matrix (rows or columns orthonormal), scaled by gain."""
+    _check(tensor)
+    if tensor.ndim < 2:
+        raise ValueError(f"orthogonal_: only tensors with 2 or more dimensions are supported, "
+                         f"got shape {tensor.shape}")
+    rows = tensor.shape[0]
+    cols = tensor._data.size // rows
+    flat = _core.default_generator().standard_normal((rows, cols))
+    if rows < cols:
+        flat = flat.T
+    q, r = np.linalg.qr(flat)
+    q *= np.sign(np.diag(r))
+    if rows < cols:
+        q = q.T
+    tensor._data[...] = (gain * q).reshape(tensor.shape)
+    return tensor
+
+
+def eye_(tensor):
+    """The identity matrix, in place (2-D tensors)."""
+    _check(tensor)
+    if tensor.ndim != 2:
+        raise ValueError(f"eye_: only 2-D tensors are supported, got shape {tensor.shape}")
+    tensor._data[...] = np.eye(*tensor.shape)
+    return tensor

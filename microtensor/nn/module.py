@@ -83,30 +83,56 @@ class Module:
                                   '"forward" function')
 
     def __call__(self, *args, **kwargs):
-        if self._forward_pre_hooks:
-            for hook in list(self._forward_pre_hooks.values()):
+        if not (self._forward_pre_hooks or self._forward_hooks):
+            return self.forward(*args, **kwargs)
+        for hook, with_kwargs, _ in list(self._forward_pre_hooks.values()):
+            if with_kwargs:
+                result = hook(self, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError("a forward pre-hook registered with_kwargs=True must "
+                                           f"return None or (args, kwargs), got {result!r}")
+                    args, kwargs = result
+            else:
                 result = hook(self, args)
                 if result is not None:
                     args = result if isinstance(result, tuple) else (result,)
-        output = self.forward(*args, **kwargs)
-        if self._forward_hooks:
-            for hook in list(self._forward_hooks.values()):
-                result = hook(self, args, output)
-                if result is not None:
-                    output = result
+        try:
+            output = self.forward(*args, **kwargs)
+        except BaseException:
+            # hooks registered with always_call=True run even when forward raised
+            for hook, with_kwargs, always in list(self._forward_hooks.values()):
+                if always:
+                    try:
+                        hook(self, args, kwargs, None) if with_kwargs else hook(self, args, None)
+                    except Exception:
+                        pass
+            raise
+        for hook, with_kwargs, _ in list(self._forward_hooks.values()):
+            result = hook(self, args, kwargs, output) if with_kwargs else hook(self, args, output)
+            if result is not None:
+                output = result
         return output
 
-    def register_forward_pre_hook(self, hook):
-        """hook(module, args) runs before forward; it may return replacement args."""
-        key = object()
-        self._forward_pre_hooks[key] = hook
-        return _HookHandle(self._forward_pre_hooks, key)
+    def register_forward_pre_hook(self, hook, *, prepend=False, with_kwargs=False):
+        """hook(module, args) runs before forward and may return replacement args; with
+        with_kwargs=True it is hook(module, args, kwargs) and may return (args, kwargs)."""
+        return self._add_hook(self._forward_pre_hooks, hook, prepend, with_kwargs, False)
 
-    def register_forward_hook(self, hook):
-        """hook(module, args, output) runs after forward; it may return a new output."""
+    def register_forward_hook(self, hook, *, prepend=False, with_kwargs=False, always_call=False):
+        """hook(module, args, output) runs after forward and may return a new output
+        (hook(module, args, kwargs, output) with with_kwargs=True); with always_call=True
+        it also runs, with output None, when forward raised."""
+        return self._add_hook(self._forward_hooks, hook, prepend, with_kwargs, always_call)
+
+    def _add_hook(self, hooks, hook, prepend, with_kwargs, always_call):
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         key = object()
-        self._forward_hooks[key] = hook
-        return _HookHandle(self._forward_hooks, key)
+        hooks[key] = (hook, bool(with_kwargs), bool(always_call))
+        if prepend:
+            hooks.move_to_end(key, last=False)
+        return _HookHandle(hooks, key)
 
     # -- registration -----------------------------------------------------------------
     def register_parameter(self, name, param):
