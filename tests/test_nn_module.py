@@ -482,3 +482,22 @@ def test_forward_hooks_with_kwargs_and_always_call():
     m2.register_forward_pre_hook(lambda mod, args: order.append("a"), prepend=True)
     m2(mt.ones(1))
     assert order == ["a", "b"]
+
+
+def test_more_init_functions():
+    mt.manual_seed(0)
+    w = mt.empty(400, 300)
+    nn.init.kaiming_normal_(w, nonlinearity="relu")
+    assert abs(w.numpy().std() - np.sqrt(2.0 / 300)) < 0.01 * np.sqrt(2.0 / 300) * 5
+    nn.init.kaiming_uniform_(w, a=np.sqrt(5))          # nn.Linear's default in torch
+    bound = np.sqrt(6.0 / ((1 + 5) * 300))
+    assert np.abs(w.numpy()).max() <= bound + 1e-7 and np.abs(w.numpy()).max() > 0.95 * bound
+    nn.init.trunc_normal_(w, std=0.02, a=-0.03, b=0.03)
+    assert np.abs(w.numpy()).max() <= 0.03
+    q = mt.empty(5, 8, dtype=mt.float64)
+    nn.init.orthogonal_(q)
+    np.testing.assert_allclose(q.numpy() @ q.numpy().T, np.eye(5), atol=1e-12)
+    e = nn.init.eye_(mt.empty(3, 4))
+    np.testing.assert_array_equal(e.numpy(), np.eye(3, 4))
+    with pytest.raises(ValueError):
+        nn.init.kaiming_normal_(mt.empty(3), mode="fan_in")
