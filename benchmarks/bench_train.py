@@ -564,10 +564,12 @@ def print_sweep(results):
             rows.append([
                 r["config"], t["threads"], f"{m['ms_median']:.1f}",
                 f"{m['ms_q1']:.1f}-{m['ms_q3']:.1f}",
-                f"{tt['ms_median']:.1f}" if tt else "", f"{tt['ms_q1']:.1f}-{tt['ms_q3']:.1f}" if tt else "",
+                f"{tt['ms_median']:.1f}" if tt else "",
+                f"{tt['ms_q1']:.1f}-{tt['ms_q3']:.1f}" if tt else "",
                 f"{t['ratio_mt_over_torch']:.2f}" if "ratio_mt_over_torch" in t else "",
                 f"{m['gflops']:.1f}", f"{tt['gflops']:.1f}" if tt else "",
-                " / ".join(f"{ceil[lib]['gflops']:.1f}" for lib in ("numpy", "torch") if lib in ceil),
+                " / ".join(f"{ceil[lib]['gflops']:.1f}"
+                           for lib in ("numpy", "torch") if lib in ceil),
                 f"{base['microtensor']['ms_median'] / m['ms_median']:.2f}x",
                 f"{base['torch']['ms_median'] / tt['ms_median']:.2f}x" if tt else ""])
     print(C.table(headers, rows))
@@ -580,15 +582,16 @@ def print_sweep(results):
             for r in results:
                 t = {t["threads"]: t for t in r["by_threads"]}.get(n)
                 row.append(f"{t['engines']['microtensor']['ms_median']:.1f} / "
-                           f"{t['engines']['torch']['ms_median']:.1f} ({t['ratio_mt_over_torch']:.2f})"
+                           f"{t['engines']['torch']['ms_median']:.1f} "
+                           f"({t['ratio_mt_over_torch']:.2f})"
                            if t and "ratio_mt_over_torch" in t else "")
             rows.append(row)
         print(C.table(["threads"] + [f"{r['config']} mt/torch ms" for r in results], rows))
     for r in results:
         print(f"{r['config']}: {r['step_gflop']:.3f} GFLOP of matmul per step; {r['steps']} timed "
               f"steps per engine and thread count in {r['rounds']} rounds after {r['warmup']} "
-              f"warm-up; first losses "
-              f"{json.dumps({e: [round(v, 5) for v in ls] for e, ls in r['first_losses'].items()})}")
+              f"warm-up; first losses " + json.dumps(
+                  {e: [round(v, 5) for v in ls] for e, ls in r["first_losses"].items()}))
 
 
 def plot_sweep(results, path, title=""):
