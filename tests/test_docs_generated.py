@@ -66,3 +66,11 @@ def test_differences_compare_numbers_with_a_tolerance(regenerate):
     assert d("loss 0.2501 at 3", "loss 0.2502 at 3", 1e-3) == []
     assert d("loss 0.2501 at 3", "lost 0.2501 at 3", 1e-3) == [": the text differs"]
     assert d({"x": None}, {"x": 3}, 1e-3) != []
+    # numbers at float32's floor are compared loosely, the rest as tightly as before
+    noisy = {"ratio_no_residual": 4.2e-10, "ratio_residual": 1.45}
+    assert d(noisy, {"ratio_no_residual": 5.0e-10, "ratio_residual": 1.45}, 1e-3,
+             loose=("no_residual",)) == []
+    assert d(noisy, {"ratio_no_residual": 4.2e-10, "ratio_residual": 1.5}, 1e-3,
+             loose=("no_residual",)) != []
+    assert d(noisy, {"ratio_no_residual": 4.2e-9, "ratio_residual": 1.45}, 1e-3,
+             loose=("no_residual",)) != []
