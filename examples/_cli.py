@@ -7,8 +7,9 @@
 - Ctrl-C never shows a traceback: `script(__name__)` at the top of an example covers the
   imports, `run(main)` at the bottom covers the rest; both print `prog: interrupted` and
   exit with status 130. A closed pipe (`| head`) ends the program quietly.
-- Output: `OutDirLock` keeps two runs out of one directory, `check_out_dir` refuses a
-  directory that already holds other files, and `temp_path` gives every file written
+- Output: `writable_dir` checks a directory before minutes of work go into it,
+  `OutDirLock` keeps two runs out of one directory, `foreign_entries` lists what an
+  earlier run left there, and `temp_path` / `replace_with` give every file written
   atomically (temporary name, then rename) a name of its own process.
 
 Only the standard library is imported here, so that Ctrl-C is covered from the first
