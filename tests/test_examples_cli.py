@@ -289,21 +289,17 @@ def test_a_live_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(tmp_path
     assert leftovers == [], leftovers                 # no temporary files either
 
 
-def test_two_runs_started_together_one_is_refused(tmp_path, corpus):
+def test_a_second_run_into_a_busy_out_dir_is_refused(tmp_path, corpus):
     out_dir = str(tmp_path / "run")
-    argv = [*TINY, "--data", corpus, "--out_dir", out_dir, "--max_iters", "200",
-            "--eval_interval", "100"]
-    first = start("train_char.py", *argv)
-    try:
-        lock = os.path.join(out_dir, _cli.LOCK_NAME)
-        deadline = time.time() + 60
-        while not os.path.exists(lock) and first.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        second = run("train_char.py", *argv)
-    finally:
-        stdout, stderr = first.communicate(timeout=120)
-    assert first.returncode == 0, stderr
+    argv = [*TINY, "--data", corpus, "--out_dir", out_dir, "--eval_interval", "100"]
+    first = start("train_char.py", *argv, "--max_iters", "100000")   # runs until stopped
+    lock = os.path.join(out_dir, _cli.LOCK_NAME)
+    wait_for(first, lambda: os.path.exists(lock), "the first run to take the lock")
+    second = run("train_char.py", *argv, "--max_iters", "10")
+    stdout, stderr = interrupt(first)
     assert_one_line_error(second, "train_char.py", f"in use by process {first.pid}")
+    assert first.returncode == 130, stderr                      # the first run went on
+    assert not os.path.exists(lock)
 
 
 def test_temporary_names_are_per_process(tmp_path):
