@@ -18,7 +18,9 @@ cdef class SumBackward(Node):
         return (_expand_back(g, self.shape, self.dims, self.keepdim),)
 
 
-def sum(x, dim=None, keepdim=False, dtype=None):
+def sum(x, dim=None, keepdim=False, dtype=None, keepdims=None):
+    if keepdims is not None:
+        keepdim = keepdims
     cdef Tensor t = _t(x)
     cdef tuple dims = _norm_dims(dim, t._data.ndim)
     d = t._data
@@ -45,7 +47,9 @@ cdef class MeanBackward(Node):
         return (_expand_back(g / self.n, self.shape, self.dims, self.keepdim),)
 
 
-def mean(x, dim=None, keepdim=False, dtype=None):
+def mean(x, dim=None, keepdim=False, dtype=None, keepdims=None):
+    if keepdims is not None:
+        keepdim = keepdims
     cdef Tensor t = _t(x)
     if t._data.dtype.kind != "f" and dtype is None:
         raise TypeError(

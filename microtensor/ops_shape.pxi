@@ -379,9 +379,33 @@ cdef class IndexBackward(Node):
         self.key = None
 
 
+cdef bint _ints_beside_arrays(object key):
+    """A tuple index holding both plain ints and index arrays (and nothing that moves dims:
+    no None, no Ellipsis, no bool masks). numpy counts the ints as advanced indices, so
+    x[i, :, idx] would put idx's dims first; torch applies the ints first (a select)."""
+    if not isinstance(key, tuple):
+        return False
+    cdef bint has_int = False, has_array = False
+    for k in key:
+        if k is None or k is Ellipsis:
+            return False
+        if isinstance(k, np.ndarray):
+            if k.dtype == bool_:
+                return False
+            has_array = True
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            has_int = True
+    return has_int and has_array
+
+
 def getitem(x, key):
     cdef Tensor t = _t(x)
     key = _index_key(key)
+    if _ints_beside_arrays(key):
+        # torch's order: the integer indices select first, then the index arrays gather
+        first = tuple(slice(None) if isinstance(k, np.ndarray) else k for k in key)
+        rest = tuple(k for k in key if not isinstance(k, (int, np.integer)))
+        return getitem(getitem(t, first), rest)
     try:
         out = t._data[key]
     except IndexError as e:

@@ -448,6 +448,12 @@ cdef class Tensor:
     def __reduce__(self):
         raise TypeError("microtensor tensors are not pickled; save them with mt.save (safetensors)")
 
+    def __format__(self, spec):
+        # f"{loss:.4f}": a one-element tensor formats as its number, as in torch
+        if self._data.ndim == 0:
+            return format(self._data.item(), spec)
+        return object.__format__(self, spec) if spec else repr(self)
+
     def __repr__(self):
         body = np.array2string(self._data, separator=", ", precision=4,
                                prefix="tensor(", threshold=200)
@@ -492,7 +498,7 @@ cdef class Tensor:
 
     def add_(self, other, alpha=1):
         self._check_inplace()
-        o = _to_array(other, None)
+        o = _inplace_operand(other)
         if alpha != 1:
             o = o * alpha
         np.add(self._data, o, out=self._data, casting="unsafe")
@@ -503,12 +509,12 @@ cdef class Tensor:
 
     def mul_(self, other):
         self._check_inplace()
-        np.multiply(self._data, _to_array(other, None), out=self._data, casting="unsafe")
+        np.multiply(self._data, _inplace_operand(other), out=self._data, casting="unsafe")
         return self
 
     def div_(self, other):
         self._check_inplace()
-        np.divide(self._data, _to_array(other, None), out=self._data, casting="unsafe")
+        np.divide(self._data, _inplace_operand(other), out=self._data, casting="unsafe")
         return self
 
     def clamp_(self, min=None, max=None):
@@ -589,20 +595,32 @@ cdef class Tensor:
     def abs(self): return abs(self)
     def clamp(self, min=None, max=None): return clamp(self, min, max)
     def clip(self, min=None, max=None): return clamp(self, min, max)
-    def sum(self, dim=None, keepdim=False, dtype=None): return sum(self, dim, keepdim, dtype)
-    def mean(self, dim=None, keepdim=False, dtype=None): return mean(self, dim, keepdim, dtype)
+    def sum(self, dim=None, keepdim=False, dtype=None, keepdims=None):
+        return sum(self, dim, keepdim if keepdims is None else keepdims, dtype)
+    def mean(self, dim=None, keepdim=False, dtype=None, keepdims=None):
+        return mean(self, dim, keepdim if keepdims is None else keepdims, dtype)
     def var(self, dim=None, keepdim=False, correction=1, unbiased=None):
         return var(self, dim, keepdim, correction, unbiased)
-    def std(self, dim=None, keepdim=False, correction=1): return std(self, dim, keepdim, correction)
-    def amax(self, dim=None, keepdim=False): return amax(self, dim, keepdim)
-    def amin(self, dim=None, keepdim=False): return amin(self, dim, keepdim)
-    def max(self, dim=None, keepdim=False): return max(self, dim, keepdim)
-    def min(self, dim=None, keepdim=False): return min(self, dim, keepdim)
-    def argmax(self, dim=None, keepdim=False): return argmax(self, dim, keepdim)
-    def argmin(self, dim=None, keepdim=False): return argmin(self, dim, keepdim)
+    def std(self, dim=None, keepdim=False, correction=1, unbiased=None, keepdims=None):
+        if unbiased is not None:
+            correction = 1 if unbiased else 0
+        return std(self, dim, keepdim if keepdims is None else keepdims, correction)
+    def amax(self, dim=None, keepdim=False, keepdims=None):
+        return amax(self, dim, keepdim if keepdims is None else keepdims)
+    def amin(self, dim=None, keepdim=False, keepdims=None):
+        return amin(self, dim, keepdim if keepdims is None else keepdims)
+    def max(self, dim=None, keepdim=False, keepdims=None):
+        return max(self, dim, keepdim if keepdims is None else keepdims)
+    def min(self, dim=None, keepdim=False, keepdims=None):
+        return min(self, dim, keepdim if keepdims is None else keepdims)
+    def argmax(self, dim=None, keepdim=False, keepdims=None):
+        return argmax(self, dim, keepdim if keepdims is None else keepdims)
+    def argmin(self, dim=None, keepdim=False, keepdims=None):
+        return argmin(self, dim, keepdim if keepdims is None else keepdims)
     def softmax(self, dim): return softmax(self, dim)
     def log_softmax(self, dim): return log_softmax(self, dim)
-    def logsumexp(self, dim, keepdim=False): return logsumexp(self, dim, keepdim)
+    def logsumexp(self, dim, keepdim=False, keepdims=None):
+        return logsumexp(self, dim, keepdim if keepdims is None else keepdims)
     def reshape(self, *shape): return reshape(self, *shape)
     def view(self, *shape): return view(self, *shape)
     def view_as(self, other): return reshape(self, other.shape)
@@ -631,8 +649,13 @@ cdef class Tensor:
     def ge(self, other): return ge(self, other)
     def logical_not(self): return logical_not(self)
     def isnan(self): return isnan(self)
-    def all(self): return Tensor._wrap(np.asarray(self._data.all()))
-    def any(self): return Tensor._wrap(np.asarray(self._data.any()))
+    def all(self, dim=None, keepdim=False):
+        return Tensor._wrap(np.asarray(self._data.all(axis=_reduce_axes(dim, self._data.ndim),
+                                                      keepdims=keepdim)))
+
+    def any(self, dim=None, keepdim=False):
+        return Tensor._wrap(np.asarray(self._data.any(axis=_reduce_axes(dim, self._data.ndim),
+                                                      keepdims=keepdim)))
     def maximum(self, other): return maximum(self, other)
     def minimum(self, other): return minimum(self, other)
     def where(self, condition, other): return where(condition, self, other)
@@ -665,6 +688,18 @@ def register_tensor_method(name, fn):
 def registered_tensor_methods():
     """The names registered with register_tensor_method."""
     return sorted(_tensor_methods)
+
+
+cdef object _inplace_operand(object other):
+    """The other operand of an in-place op: a Python number stays a number (so that
+    t.mul_(0.9) on a float64 tensor multiplies by 0.9, not by float32(0.9))."""
+    if isinstance(other, (int, float)) and not isinstance(other, Tensor):
+        return other
+    return _to_array(other, None)
+
+
+cdef object _reduce_axes(object dim, int ndim):
+    return None if dim is None else _norm_dims(dim, ndim)
 
 
 class _HookHandle:

@@ -450,3 +450,44 @@ def test_against_torch_for_the_edge_cases():
     ma = mt.tensor([1.0, 2.0], dtype=mt.float64, requires_grad=True)
     mt.maximum(ma, mt.tensor([1.0, 0.0], dtype=mt.float64)).sum().backward()
     np.testing.assert_array_equal(ma.grad.numpy(), ta.grad.numpy())
+
+
+def test_int_beside_an_index_tensor_orders_dims_like_torch():
+    x = f64(3, 4, 5)
+    idx = mt.tensor([0, 2, 2])
+    out = x[1, :, idx]
+    assert out.shape == (4, 3)             # numpy would give (3, 4)
+    np.testing.assert_array_equal(out.numpy(), x.detach().numpy()[1][:, [0, 2, 2]])
+    assert mt.gradcheck(lambda t: t[1, :, idx], [x])
+    torch = pytest.importorskip("torch")
+    tx = torch.tensor(x.detach().numpy())
+    assert tuple(tx[1, :, torch.tensor([0, 2, 2])].shape) == out.shape
+
+
+def test_format_of_a_0d_tensor_like_torch():
+    loss = mt.tensor(1.23456)
+    assert f"{loss:.3f}" == "1.235"
+    assert f"{mt.tensor(7):d}" == "7"
+    with pytest.raises(TypeError):
+        f"{mt.zeros(3):.2f}"
+
+
+def test_any_all_with_dim_and_keepdims_alias():
+    m = mt.tensor([[True, False], [True, True]])
+    np.testing.assert_array_equal(m.all(1).numpy(), [False, True])
+    np.testing.assert_array_equal(m.any(0, keepdim=True).numpy(), [[True, True]])
+    assert m.all().item() is False
+    P = mt.tensor([[1.0, 3.0], [2.0, 2.0]])
+    assert P.sum(1, keepdims=True).shape == (2, 1)          # makemore writes keepdims
+    assert mt.sum(P, 1, keepdims=True).shape == (2, 1)
+    assert P.max(1, keepdims=True).values.shape == (2, 1)
+
+
+def test_inplace_with_a_python_float_keeps_float64_precision():
+    t = mt.ones(1, dtype=mt.float64)
+    t.mul_(0.9)
+    assert t.item() == 0.9
+    t.add_(0.1)
+    assert t.item() == 0.9 + 0.1
+    t.div_(3.0)
+    assert t.item() == (0.9 + 0.1) / 3.0
