@@ -370,3 +370,42 @@ def test_gradcheck_layers_second_order_column(case):
     fn, inputs, _ = dict(example.CASES)[case]()
     abs_err, rel_err, passed = example.second_order_errors(fn, inputs)
     assert passed and rel_err < 1e-5, (abs_err, rel_err)
+
+
+# ---- examples/sharpness.py: the sharpness estimate, and the quick study --------------------
+
+def test_power_iteration_finds_the_top_hessian_eigenvalue():
+    """Against numpy's eigenvalues of the full Hessian (mt.autograd.functional.hessian),
+    also when the eigenvalue of largest magnitude is negative (the shifted pass)."""
+    example = load_example("sharpness")
+    r = np.random.default_rng(5)
+    a = r.standard_normal((4, 4))
+    for shift in (0.0, -12.0):                     # the second makes the bottom dominant
+        sym = a @ a.T + shift * np.eye(4) + np.diag([3.0, 0.0, 0.0, 0.0])
+        w = mt.tensor(r.standard_normal(4), requires_grad=True)
+
+        def loss_of(w):
+            return 0.5 * (w @ mt.tensor(sym) @ w) + (w ** 4).sum() * 0.01
+        hessian = mt.autograd.functional.hessian(loss_of, w).numpy()
+        top = np.linalg.eigvalsh(hessian)[-1]
+        lam, v, n = example.sharpness(loss_of(w), [w], [r.standard_normal(4)], r, 500, 1e-10)
+        np.testing.assert_allclose(lam, top, rtol=1e-6)
+        if shift:
+            assert np.abs(np.linalg.eigvalsh(hessian)).argmax() == 0   # it was dominated
+
+
+def test_sharpness_quick_study_reaches_the_edge_of_stability(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    example = load_example("sharpness")
+    args = example.parse_args(["--quick", "--out", str(tmp_path), "--skip", "transformer"])
+    results = example.study(args)
+    runs = results["mlp"]
+    assert [r["lr"] for r in runs] == args.mlp_lrs
+    for r in runs:
+        # GD reaches 2/lr and then stays there (the loss still falls, not monotonically)
+        assert r["reached_at"] is not None, r
+        assert 0.9 < r["ratio_median"] < 1.2, r
+        assert r["final_loss"] < 0.05 * r["losses"][0] and r["loss_increases"] > 0
+    paths = example.draw(results, args)
+    assert sorted(os.listdir(tmp_path)) == ["sharpness_mlp.png", "sharpness_ratio.png"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
