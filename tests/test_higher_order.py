@@ -177,6 +177,24 @@ def test_without_create_graph_gradients_have_no_graph():
     assert x.grad.grad_fn is None
 
 
+def test_first_order_backward_never_runs_a_create_graph_rule():
+    """Without create_graph the fused kernels do all the work: a model's backward with
+    the create-graph entry point replaced by one that raises still succeeds."""
+    def refuse(node, grad_output):
+        raise AssertionError(f"create_graph rule called for {node.name()}")
+    mt.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=7, block_size=5, n_layer=1, n_head=2, n_embd=8)).double()
+    idx, targets = mt.randint(0, 7, (2, 5)), mt.randint(0, 7, (2, 5))
+    C.register_create_graph_rule(refuse)
+    try:
+        model(idx, targets)[1].backward()
+        with pytest.raises(AssertionError, match="create_graph rule called"):
+            mt.autograd.grad(model(idx, targets)[1], list(model.parameters()), create_graph=True)
+    finally:
+        C.register_create_graph_rule(higher_order.create_graph_rule)
+    assert all(p.grad is not None and p.grad.grad_fn is None for p in model.parameters())
+
+
 def test_hooks_see_differentiable_gradients():
     x = leaf(3)
     h = x * 2.0
