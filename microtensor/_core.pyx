@@ -8,12 +8,16 @@ into this one extension so that ops reach tensors' fields at C speed:
 
   errors.pxi          ShapeError and the dim / argument validators
   kernels.pxi         Cython kernels (typed memoryviews, nogil, prange) of the core ops
-  autograd_engine.pxi Node, grad mode, the backward traversal (iterative, topological)
-  tensor.pxi          Tensor, Parameter, creation functions, the random generator
+  grad_mode.pxi       grad mode and anomaly mode, per thread (no_grad, enable_grad)
+  versions.pxi        version counters: in-place changes to saved tensors are caught
+  autograd_engine.pxi Node, the backward traversal (iterative, topological)
+  dtypes.pxi          the numpy dtypes of the core, devices, torch-style dtype names
+  tensor.pxi          Tensor, Parameter, the registry of Python-written Tensor methods
+  creation.pxi        creation functions, the random generator
   ops_pointwise.pxi   + - * / ** and unary ops, where, masked_fill, comparisons
   ops_reduce.pxi      sum, mean, var, amax/max, argmax, softmax, log_softmax
   ops_shape.pxi       reshape/view, permute, expand, cat/stack, split, indexing
-  ops_matmul.pxi      matmul (every product goes to BLAS through microtensor._blas)
+  ops_matmul.pxi      matmul (2-D and 3-D float products through microtensor._blas)
 
 Each op is a Backward node class (its rule, math in the first docstring line) with
 the forward function right below it.
@@ -25,8 +29,12 @@ cnp.import_array()
 
 include "errors.pxi"
 include "kernels.pxi"
+include "grad_mode.pxi"
+include "versions.pxi"
 include "autograd_engine.pxi"
+include "dtypes.pxi"
 include "tensor.pxi"
+include "creation.pxi"
 include "ops_pointwise.pxi"
 include "ops_reduce.pxi"
 include "ops_shape.pxi"

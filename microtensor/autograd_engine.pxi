@@ -1,4 +1,4 @@
-# The autograd engine: the graph node type, grad mode and the backward traversal.
+# The autograd engine: the graph node type and the backward traversal.
 #
 # Every differentiable op makes one Node. A node keeps the input tensors it read and
 # whatever it saved in forward; `backward(grad_output)` returns one gradient (a numpy
@@ -7,33 +7,6 @@
 
 import threading as _threading
 import traceback as _traceback
-
-# Grad mode and anomaly mode are per thread, as in PyTorch: `no_grad` in an evaluation
-# thread must not switch gradients off in a training thread. They live in C thread-local
-# storage, so the check every op makes (`_grad_on()`) stays one load. A new thread starts
-# with gradients on (the stored flag is "disabled", and thread-locals start at zero).
-cdef extern from *:
-    """
-    #if defined(_MSC_VER)
-    #define MT_THREAD_LOCAL __declspec(thread)
-    #else
-    #define MT_THREAD_LOCAL __thread
-    #endif
-    static MT_THREAD_LOCAL int mt_grad_disabled = 0;
-    static MT_THREAD_LOCAL int mt_anomaly_on = 0;
-    static inline int mt_grad_on(void) { return !mt_grad_disabled; }
-    static inline void mt_set_grad_on(int on) { mt_grad_disabled = !on; }
-    static inline int mt_anomaly(void) { return mt_anomaly_on; }
-    static inline void mt_set_anomaly(int on) { mt_anomaly_on = on; }
-    """
-    bint mt_grad_on() nogil
-    void mt_set_grad_on(bint on) nogil
-    bint mt_anomaly() nogil
-    void mt_set_anomaly(bint on) nogil
-
-
-cdef inline bint _grad_on():
-    return mt_grad_on()
 
 
 cdef object _backward_profiler = None   # set by microtensor.profiler while profiling
@@ -48,11 +21,19 @@ def set_backward_profiler(fn):
     _backward_profiler = fn
 
 
+def get_backward_profiler():
+    return _backward_profiler
+
+
 def register_create_graph_rule(fn):
     """fn(node, grad_output: Tensor) -> tuple of Tensors (or None), one per input, built
     from differentiable ops: the backward pass that `create_graph=True` runs."""
     global _create_graph_rule
     _create_graph_rule = fn
+
+
+def get_create_graph_rule():
+    return _create_graph_rule
 
 
 cdef class Node:
@@ -145,78 +126,6 @@ cdef inline bint _needs_graph(tuple inputs):
     return False
 
 
-# ---- version counters: an in-place change to a tensor that backward needs is an error --
-#
-# Every tensor can carry a counter that its in-place ops bump (views share their base's
-# counter). When an op is recorded, the versions of the tensors its rule will read are
-# noted (which ones: the rule's `saved` mask); backward compares them before it runs the
-# rule. This is the one place the check hooks into: `_attach`, which every op calls.
-
-cdef int SAVES_OUTPUT = 1 << 30
-cdef int _SAVES_UNSET = -2
-cdef dict _SAVED_MASKS = {}     # Node class -> mask (core rules declare theirs below them)
-
-
-cdef class _VersionCounter:
-    """How many in-place changes a tensor (and every view of it) has had."""
-    pass
-
-
-cdef inline _VersionCounter _counter(Tensor t):
-    if t._vc is None:
-        t._vc = _VersionCounter.__new__(_VersionCounter)
-    return <_VersionCounter>t._vc
-
-
-cdef inline void _bump(Tensor t):
-    cdef _VersionCounter vc = _counter(t)
-    vc.value += 1
-
-
-cdef inline void _share_version(Tensor view, Tensor base):
-    """`view` shares `base`'s storage, so an in-place change to one is a change to both."""
-    view._vc = _counter(base)
-
-
-cdef int _saved_mask(Node node):
-    cdef int mask = node._saves
-    if mask != _SAVES_UNSET:
-        return mask
-    cls = type(node)
-    m = _SAVED_MASKS.get(cls)
-    if m is None:
-        # a rule written in Python declares `saved_mask`; without it, everything counts
-        m = getattr(cls, "saved_mask", -1)
-        _SAVED_MASKS[cls] = m
-    return m
-
-
-cdef inline _record_versions(Tensor out, Node node, tuple inputs, int mask):
-    cdef list saved = []
-    cdef _VersionCounter vc
-    cdef Py_ssize_t i
-    for i in range(len(inputs)):
-        inp = inputs[i]
-        if inp is not None and i < 30 and (mask >> i) & 1:
-            vc = _counter(<Tensor>inp)
-            saved.append((vc, vc.value, i))
-    if mask & SAVES_OUTPUT:
-        vc = _counter(out)
-        saved.append((vc, vc.value, -1))
-    if saved:
-        node._saved_versions = tuple(saved)
-
-
-def declare_saved(cls, *inputs, output=False):
-    """Declare which tensors a rule reads in backward: input positions, and the output."""
-    cdef int mask = 0
-    for i in inputs:
-        mask |= 1 << i
-    if output:
-        mask |= SAVES_OUTPUT
-    _SAVED_MASKS[cls] = mask
-
-
 cdef inline Tensor _attach(Tensor out, Node node, tuple inputs):
     """Make `out` the result of `node` applied to `inputs`."""
     node.inputs = inputs
@@ -228,93 +137,6 @@ cdef inline Tensor _attach(Tensor out, Node node, tuple inputs):
     if mt_anomaly():
         node._trace = "".join(_traceback.format_stack())
     return out
-
-
-def set_grad_enabled_(bint mode):
-    """Set this thread's grad mode; returns the previous one."""
-    prev = mt_grad_on()
-    mt_set_grad_on(mode)
-    return prev
-
-
-def is_grad_enabled():
-    """True when operations in this thread record a graph for backward."""
-    return mt_grad_on()
-
-
-def set_anomaly_enabled_(bint mode):
-    prev = mt_anomaly()
-    mt_set_anomaly(mode)
-    return prev
-
-
-def is_anomaly_enabled():
-    return mt_anomaly()
-
-
-class _GradMode:
-    """Base of no_grad / enable_grad: a context manager that also decorates functions."""
-    mode = True
-
-    def __enter__(self):
-        self._prev = set_grad_enabled_(self.mode)
-        return self
-
-    def __exit__(self, *exc):
-        set_grad_enabled_(self._prev)
-        return False
-
-    def __call__(self, fn):
-        import functools
-        mode = self.mode
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            prev = set_grad_enabled_(mode)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                set_grad_enabled_(prev)
-        return wrapper
-
-
-class no_grad(_GradMode):
-    """`with mt.no_grad():` runs operations without recording a graph."""
-    mode = False
-
-
-class enable_grad(_GradMode):
-    """`with mt.enable_grad():` turns graph recording back on inside no_grad."""
-    mode = True
-
-
-class set_grad_enabled(_GradMode):
-    def __init__(self, mode):
-        self.mode = bool(mode)
-        self._prev = set_grad_enabled_(self.mode)
-
-    def __enter__(self):
-        return self
-
-
-class AnomalyError(RuntimeError):
-    """A NaN or Inf appeared in backward (raised under detect_anomaly)."""
-
-
-class detect_anomaly:
-    """Within this context the first NaN or Inf produced in backward raises an error
-    naming the op that produced it and where that op was created in forward."""
-
-    def __init__(self, check_nan=True):
-        self.check_nan = check_nan
-
-    def __enter__(self):
-        self._prev = set_anomaly_enabled_(self.check_nan)
-        return self
-
-    def __exit__(self, *exc):
-        set_anomaly_enabled_(self._prev)
-        return False
 
 
 cdef object _as_grad_array(object g, Tensor t):
@@ -465,20 +287,6 @@ cdef _finish_leaf(_LeafGrad lg, dict captured, bint accumulate, bint create_grap
         if t._post_hooks:
             for hook in list(t._post_hooks):
                 hook(t)
-
-
-cdef _check_versions(Node node):
-    """Raise if a tensor this node saved was changed in place after the forward pass."""
-    cdef _VersionCounter vc
-    for item in node._saved_versions:
-        vc = <_VersionCounter>item[0]
-        if vc.value != <long>item[1]:
-            which = "output 0" if item[2] < 0 else f"input {item[2]}"
-            raise RuntimeError(
-                f"one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: {which} of {node.name()} is at "
-                f"version {vc.value}; expected version {item[1]} instead. Compute the "
-                f"in-place change out of place (y = y + 1) or clone() the tensor first.")
 
 
 def run_backward(list outputs, list grad_outputs, bint retain_graph,

@@ -1,5 +1,6 @@
-# Matmul: numpy's semantics (batched, broadcasting, 1-D operands), every float product
-# through microtensor._blas (one thread pool, transposes passed as flags, not copied).
+# Matmul: numpy's semantics (batched, broadcasting, 1-D operands). Float products of 2-D
+# and 3-D operands go through microtensor._blas (one thread pool, transposes passed as
+# flags, not copied); tiny products (numpy's call costs less) and other shapes to numpy.
 
 from microtensor import _blas
 

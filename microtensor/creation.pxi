@@ -1,0 +1,209 @@
+# Creation functions (tensor, zeros, arange, ...) and the random generator behind randn,
+# rand, randint, dropout and nn.init (reseeded by manual_seed).
+
+# -- creation -----------------------------------------------------------------
+
+cdef object _to_array(object data, object dtype):
+    """Python data or an array as a numpy array; Python floats become float32,
+    Python ints int64 (as in torch); a numpy array keeps its dtype."""
+    if isinstance(data, Tensor):
+        a = (<Tensor>data)._data
+    elif isinstance(data, np.ndarray):
+        a = data
+    elif isinstance(data, bool):
+        a = np.array(data, dtype=bool_)
+    elif isinstance(data, int):
+        a = np.array(data, dtype=int64)
+    elif isinstance(data, float):
+        a = np.array(data, dtype=_default_float)
+    elif isinstance(data, np.generic):
+        a = np.asarray(data)
+    else:
+        if isinstance(data, (list, tuple)) and any(isinstance(x, Tensor) for x in data):
+            data = [x._data if isinstance(x, Tensor) else x for x in data]
+        a = np.asarray(data)
+        if a.dtype == float64 and _default_float is not float64:
+            a = a.astype(_default_float)
+        elif a.dtype.kind == "i":
+            a = a.astype(int64)
+        elif a.dtype.kind not in "fb":
+            raise TypeError(f"cannot make a tensor from {type(data).__name__} with dtype {a.dtype}")
+    if dtype is not None and a.dtype != dtype:
+        a = a.astype(dtype)
+    return a
+
+
+def tensor(data, dtype=None, device=None, requires_grad=False):
+    """A new tensor holding a copy of `data` (a list, scalar, numpy array or tensor)."""
+    check_device(device)
+    a = _to_array(data, as_dtype(dtype))
+    if isinstance(data, (np.ndarray, Tensor)) and (a is data or isinstance(data, Tensor) and a is (<Tensor>data)._data):
+        a = a.copy()
+    cdef Tensor t = Tensor._wrap(_contig(a))
+    if requires_grad:
+        t.requires_grad = True
+    return t
+
+
+def from_numpy(array):
+    """A tensor sharing memory with a numpy array."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"from_numpy expects a numpy.ndarray, got {type(array).__name__}")
+    return Tensor._wrap(array)
+
+
+def _shape_arg(shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    out = []
+    for s in shape:
+        if isinstance(s, Tensor):
+            s = int(s)
+        if not isinstance(s, (int, np.integer)):
+            raise TypeError(f"sizes must be integers, got {s!r}")
+        if s < 0:
+            raise ValueError(f"negative dimension {s} in size {tuple(shape)}")
+        out.append(int(s))
+    return tuple(out)
+
+
+cdef Tensor _new(object array, bint requires_grad):
+    cdef Tensor t = Tensor._wrap(array)
+    if requires_grad:
+        t.requires_grad = True
+    return t
+
+
+def zeros(*shape, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.zeros(_shape_arg(shape), dtype=as_dtype(dtype) or _default_float), requires_grad)
+
+
+def ones(*shape, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.ones(_shape_arg(shape), dtype=as_dtype(dtype) or _default_float), requires_grad)
+
+
+def empty(*shape, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.empty(_shape_arg(shape), dtype=as_dtype(dtype) or _default_float), requires_grad)
+
+
+def full(shape, fill_value, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    if dtype is None:
+        dtype = bool_ if isinstance(fill_value, bool) else int64 if isinstance(fill_value, int) else float32
+    return _new(np.full(_shape_arg(tuple(shape)), fill_value, dtype=as_dtype(dtype)), requires_grad)
+
+
+def zeros_like(t, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.zeros(t.shape, dtype=as_dtype(dtype) or t.dtype), requires_grad)
+
+
+def ones_like(t, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.ones(t.shape, dtype=as_dtype(dtype) or t.dtype), requires_grad)
+
+
+def full_like(t, fill_value, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.full(t.shape, fill_value, dtype=as_dtype(dtype) or t.dtype), requires_grad)
+
+
+def arange(start, stop=None, step=1, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    if stop is None:
+        start, stop = 0, start
+    if step == 0:
+        raise ValueError("arange: step must be nonzero")
+    if dtype is None:
+        ints = all(isinstance(v, (int, np.integer)) for v in (start, stop, step))
+        dtype = int64 if ints else _default_float
+    return _new(np.arange(start, stop, step, dtype=as_dtype(dtype)), requires_grad)
+
+
+def linspace(start, end, steps, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    return _new(np.linspace(start, end, steps, dtype=as_dtype(dtype) or _default_float), requires_grad)
+
+
+# -- random numbers: one generator, reseeded by manual_seed ------------------
+
+cdef object _rng = np.random.default_rng()
+
+
+def manual_seed(seed):
+    """Make randn / rand / randint / dropout / init reproducible."""
+    global _rng
+    _rng = np.random.Generator(np.random.PCG64(int(seed)))
+    return _rng
+
+
+def default_generator():
+    """The numpy Generator behind microtensor's random functions."""
+    return _rng
+
+
+def get_rng_state():
+    """The generator's state as a JSON string (store it in a checkpoint's metadata)."""
+    import json
+    return json.dumps(_rng.bit_generator.state)
+
+
+def set_rng_state(state):
+    import json
+    global _rng
+    st = json.loads(state) if isinstance(state, (str, bytes)) else state
+    bg = getattr(np.random, st["bit_generator"])()
+    bg.state = st
+    _rng = np.random.Generator(bg)
+
+
+def randn(*shape, dtype=None, device=None, requires_grad=False, generator=None):
+    check_device(device)
+    dt = as_dtype(dtype) or _default_float
+    return _new(_rng.standard_normal(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
+
+
+def rand(*shape, dtype=None, device=None, requires_grad=False, generator=None):
+    check_device(device)
+    dt = as_dtype(dtype) or _default_float
+    return _new(_rng.random(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
+
+
+def randint(low, high=None, size=None, dtype=None, device=None, generator=None):
+    check_device(device)
+    if size is None and isinstance(high, (tuple, list)):
+        low, high, size = 0, low, high
+    if high is None:
+        raise TypeError("randint(low, high, size) needs high")
+    if high <= low:
+        raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
+    if isinstance(size, (int, np.integer)):
+        size = (size,)
+    return _new(_rng.integers(low, high, _shape_arg(tuple(size)), dtype=as_dtype(dtype) or int64), False)
+
+
+def randperm(n, dtype=None, device=None, generator=None):
+    check_device(device)
+    return _new(_rng.permutation(int(n)).astype(as_dtype(dtype) or int64), False)
+
+
+def multinomial(probs, num_samples=1):
+    """Draw indices from each row of `probs` (rows need not sum to 1)."""
+    p = probs._data if isinstance(probs, Tensor) else np.asarray(probs)
+    p2 = np.atleast_2d(p).astype(np.float64)
+    if (p2 < 0).any() or not np.isfinite(p2).all():
+        raise ValueError("multinomial: probabilities must be finite and non-negative")
+    s = p2.sum(-1, keepdims=True)
+    if (s <= 0).any():
+        raise ValueError("multinomial: each row needs a positive sum")
+    c = np.cumsum(p2 / s, axis=-1)
+    u = _rng.random((p2.shape[0], num_samples))
+    idx = np.empty((p2.shape[0], num_samples), dtype=int64)
+    for r in range(p2.shape[0]):
+        idx[r] = np.minimum(np.searchsorted(c[r], u[r], side="right"), p2.shape[1] - 1)
+    return Tensor._wrap(idx if p.ndim == 2 else idx[0])

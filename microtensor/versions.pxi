@@ -1,0 +1,84 @@
+# ---- version counters: an in-place change to a tensor that backward needs is an error --
+#
+# Every tensor can carry a counter that its in-place ops bump (views share their base's
+# counter). When an op is recorded, the versions of the tensors its rule will read are
+# noted (which ones: the rule's `saved` mask); backward compares them before it runs the
+# rule. This is the one place the check hooks into: `_attach`, which every op calls.
+
+cdef int SAVES_OUTPUT = 1 << 30
+cdef int _SAVES_UNSET = -2
+cdef dict _SAVED_MASKS = {}     # Node class -> mask (core rules declare theirs below them)
+
+
+cdef class _VersionCounter:
+    """How many in-place changes a tensor (and every view of it) has had."""
+    pass
+
+
+cdef inline _VersionCounter _counter(Tensor t):
+    if t._vc is None:
+        t._vc = _VersionCounter.__new__(_VersionCounter)
+    return <_VersionCounter>t._vc
+
+
+cdef inline void _bump(Tensor t):
+    cdef _VersionCounter vc = _counter(t)
+    vc.value += 1
+
+
+cdef inline void _share_version(Tensor view, Tensor base):
+    """`view` shares `base`'s storage, so an in-place change to one is a change to both."""
+    view._vc = _counter(base)
+
+
+cdef int _saved_mask(Node node):
+    cdef int mask = node._saves
+    if mask != _SAVES_UNSET:
+        return mask
+    cls = type(node)
+    m = _SAVED_MASKS.get(cls)
+    if m is None:
+        # a rule written in Python declares `saved_mask`; without it, everything counts
+        m = getattr(cls, "saved_mask", -1)
+        _SAVED_MASKS[cls] = m
+    return m
+
+
+cdef inline _record_versions(Tensor out, Node node, tuple inputs, int mask):
+    cdef list saved = []
+    cdef _VersionCounter vc
+    cdef Py_ssize_t i
+    for i in range(len(inputs)):
+        inp = inputs[i]
+        if inp is not None and i < 30 and (mask >> i) & 1:
+            vc = _counter(<Tensor>inp)
+            saved.append((vc, vc.value, i))
+    if mask & SAVES_OUTPUT:
+        vc = _counter(out)
+        saved.append((vc, vc.value, -1))
+    if saved:
+        node._saved_versions = tuple(saved)
+
+
+def declare_saved(cls, *inputs, output=False):
+    """Declare which tensors a rule reads in backward: input positions, and the output."""
+    cdef int mask = 0
+    for i in inputs:
+        mask |= 1 << i
+    if output:
+        mask |= SAVES_OUTPUT
+    _SAVED_MASKS[cls] = mask
+
+
+cdef _check_versions(Node node):
+    """Raise if a tensor this node saved was changed in place after the forward pass."""
+    cdef _VersionCounter vc
+    for item in node._saved_versions:
+        vc = <_VersionCounter>item[0]
+        if vc.value != <long>item[1]:
+            which = "output 0" if item[2] < 0 else f"input {item[2]}"
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: {which} of {node.name()} is at "
+                f"version {vc.value}; expected version {item[1]} instead. Compute the "
+                f"in-place change out of place (y = y + 1) or clone() the tensor first.")
