@@ -5,13 +5,24 @@
 # array, or None) per input. The traversal below walks the graph in topological order
 # with an explicit work list, never recursion, so a chain of 20,000 ops is fine.
 
-import threading as _threading
 import traceback as _traceback
+from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock,
+                               PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK,
+                               NOWAIT_LOCK)
 
 
 cdef object _backward_profiler = None   # set by microtensor.profiler while profiling
 cdef object _create_graph_rule = None   # set by microtensor.autograd.higher_order
-cdef object _accumulate_lock = _threading.Lock()
+# One lock around leaf accumulation (see _accumulate_leaf). A C-level lock: taking it
+# uncontended costs a few nanoseconds; waiting for it releases the GIL, since the thread
+# holding it may be inside numpy's addition, which releases the GIL too.
+cdef PyThread_type_lock _accumulate_lock = PyThread_allocate_lock()
+
+
+cdef inline void _lock_accumulation():
+    if not PyThread_acquire_lock(_accumulate_lock, NOWAIT_LOCK):
+        with nogil:
+            PyThread_acquire_lock(_accumulate_lock, WAIT_LOCK)
 
 
 def set_backward_profiler(fn):
@@ -201,7 +212,8 @@ cdef _accumulate_leaf(Tensor t, object g):
 
     A lock makes this safe when several threads run backward into one shared parameter
     (numpy releases the GIL inside the addition, so two unlocked adds can lose one)."""
-    with _accumulate_lock:
+    _lock_accumulation()
+    try:
         if isinstance(g, Tensor):             # create_graph: keep the graph of the gradient
             t._grad = g if t._grad is None else add(t._grad, g)
             return
@@ -213,6 +225,8 @@ cdef _accumulate_leaf(Tensor t, object g):
                 np.add(gd, g, out=gd, casting="unsafe")
             else:
                 t._grad = Tensor._wrap(gd + g)
+    finally:
+        PyThread_release_lock(_accumulate_lock)
 
 
 cdef object _gsum(object a, object b):
@@ -369,9 +383,28 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                 deps[m] = 1
                 stack.append(m)
 
+    # 2b) autograd.grad: only the nodes that lead to a requested input run (as in torch);
+    # the rest of the graph is neither computed nor freed
+    cdef set needed = None       # nodes whose gradient is wanted
+    cdef set run = None          # nodes whose rule must run (an input leads to a target)
+    if inputs is not None:
+        run = _nodes_leading_to(list(deps), capture_nodes,
+                                {id(t) for t in inputs if t._node is None})
+        needed = run | (capture_nodes & set(deps))
+        for node in deps:
+            deps[node] = 0
+        for node in run:
+            for inp in node.inputs:
+                if inp is not None and (<Tensor>inp)._requires_grad and \
+                        (<Tensor>inp)._node is not None and (<Tensor>inp)._node in needed:
+                    deps[(<Tensor>inp)._node] += 1
+        for node in list(pending):
+            if node not in needed:
+                del pending[node]
+
     # 3) Kahn's algorithm: a node runs once all its consumers have reported
     for node, n in deps.items():
-        if n == 0:
+        if n == 0 and (needed is None or node in needed):
             ready.append(node)
     prev_mode = mt_grad_on()
     mt_set_grad_on(create_graph)      # rules record a graph only under create_graph
@@ -382,7 +415,8 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
             owned.discard(node)
             if g is None:
                 # reached only through inputs that produced no gradient
-                _release_inputs(node, deps, ready, leaves, captured, accumulate, create_graph)
+                _release_inputs(node, deps, ready, leaves, captured, accumulate, create_graph,
+                                needed)
                 continue
             if node._hooks:
                 g = _run_tensor_hooks(node._hooks, g, create_graph)
@@ -392,6 +426,8 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                     _accumulate_leaf(<Tensor>retained, g)
             if capture_nodes is not None and node in capture_nodes:
                 captured[id(node)] = g
+            if run is not None and node not in run:
+                continue                 # a requested input: nothing below it is needed
             if node.freed:
                 raise RuntimeError(
                     f"Trying to backward through the graph a second time (at {node.name()}), "
@@ -429,6 +465,8 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                         _finish_leaf(lg, captured, accumulate, create_graph)
                     continue
                 m = t._node
+                if needed is not None and m not in needed:
+                    continue
                 if gi is not None:
                     _sum_into(pending, owned, m, _as_grad_array(gi, t))
                 deps[m] -= 1
@@ -455,8 +493,46 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
     return result
 
 
+cdef set _nodes_leading_to(list nodes, set target_nodes, set target_leaves):
+    """The nodes with an input that leads to a target (a node's output, or a leaf by id):
+    a post-order walk with an explicit stack, so deep graphs need no recursion."""
+    cdef dict leads = {}
+    cdef list stack
+    cdef Node node
+    cdef Tensor t
+    cdef bint found
+    for start in nodes:
+        if start in leads:
+            continue
+        stack = [(start, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in leads:
+                continue
+            if not expanded:
+                stack.append((node, True))
+                for inp in node.inputs:
+                    if inp is not None and (<Tensor>inp)._requires_grad and \
+                            (<Tensor>inp)._node is not None and (<Tensor>inp)._node not in leads:
+                        stack.append(((<Tensor>inp)._node, False))
+                continue
+            found = False
+            for inp in node.inputs:
+                if inp is None or not (<Tensor>inp)._requires_grad:
+                    continue
+                t = <Tensor>inp
+                if t._node is None:
+                    found = id(t) in target_leaves
+                else:
+                    found = t._node in target_nodes or leads.get(t._node, False)
+                if found:
+                    break
+            leads[node] = found
+    return {n for n, found in leads.items() if found}
+
+
 cdef _release_inputs(Node node, dict deps, list ready, dict leaves, dict captured,
-                     bint accumulate, bint create_graph):
+                     bint accumulate, bint create_graph, set needed):
     """A node with no gradient still counts as having reported to its inputs."""
     cdef Tensor t
     cdef _LeafGrad lg
@@ -471,7 +547,7 @@ cdef _release_inputs(Node node, dict deps, list ready, dict leaves, dict capture
             lg.waiting -= 1
             if lg.waiting == 0:
                 _finish_leaf(lg, captured, accumulate, create_graph)
-        else:
+        elif needed is None or t._node in needed:
             deps[t._node] -= 1
             if deps[t._node] == 0:
                 ready.append(t._node)

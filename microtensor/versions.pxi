@@ -45,19 +45,21 @@ cdef int _saved_mask(Node node):
 
 
 cdef inline _record_versions(Tensor out, Node node, tuple inputs, int mask):
-    cdef list saved = []
+    # kept flat, (counter, version, input index or -1) after one another: this runs for
+    # every recorded op, so it allocates one tuple (two when a rule saves 3+ tensors)
     cdef _VersionCounter vc
-    cdef Py_ssize_t i
-    for i in range(len(inputs)):
+    cdef Py_ssize_t i, n = len(inputs)
+    cdef tuple saved = ()
+    for i in range(n if n < 30 else 30):
         inp = inputs[i]
-        if inp is not None and i < 30 and (mask >> i) & 1:
+        if inp is not None and (mask >> i) & 1:
             vc = _counter(<Tensor>inp)
-            saved.append((vc, vc.value, i))
+            saved = saved + (vc, vc.value, i)
     if mask & SAVES_OUTPUT:
         vc = _counter(out)
-        saved.append((vc, vc.value, -1))
+        saved = saved + (vc, vc.value, -1)
     if saved:
-        node._saved_versions = tuple(saved)
+        node._saved_versions = saved
 
 
 def declare_saved(cls, *inputs, output=False):
@@ -73,12 +75,14 @@ def declare_saved(cls, *inputs, output=False):
 cdef _check_versions(Node node):
     """Raise if a tensor this node saved was changed in place after the forward pass."""
     cdef _VersionCounter vc
-    for item in node._saved_versions:
-        vc = <_VersionCounter>item[0]
-        if vc.value != <long>item[1]:
-            which = "output 0" if item[2] < 0 else f"input {item[2]}"
+    cdef tuple saved = node._saved_versions
+    cdef Py_ssize_t k
+    for k in range(0, len(saved), 3):
+        vc = <_VersionCounter>saved[k]
+        if vc.value != <long>saved[k + 1]:
+            which = "output 0" if saved[k + 2] < 0 else f"input {saved[k + 2]}"
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by "
                 f"an inplace operation: {which} of {node.name()} is at "
-                f"version {vc.value}; expected version {item[1]} instead. Compute the "
+                f"version {vc.value}; expected version {saved[k + 1]} instead. Compute the "
                 f"in-place change out of place (y = y + 1) or clone() the tensor first.")
