@@ -32,7 +32,7 @@ MICROTENSOR = {
     "dialect": ENGINE, "distributed": ENGINE, "dtypes": ENGINE, "gradcheck": ENGINE,
     "inspect": ENGINE, "linalg": ENGINE, "ops_extra": ENGINE, "ops_index": ENGINE,
     "ops_linalg": ENGINE, "optim": ENGINE, "profiler": ENGINE, "serialization": ENGINE,
-    "threads": ENGINE,
+    "threads": ENGINE, "creation": ENGINE, "grad_mode": ENGINE, "versions": ENGINE,
     "nn": NN, "coverage": NN,
 }
 # the files `include`d into an extension belong to it
