@@ -130,16 +130,20 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
         nthreads = 1
     cdef char cta = b'T' if ta else b'N'
     cdef char ctb = b'T' if tb else b'N'
-    cdef float[:, ::1] fa, fb, fc
-    cdef double[:, ::1] da, db, dc
+    # NOTE: the operands are const views: a read-only array (a broadcast view, a
+    # checkpoint's buffer) is a fine operand; only `out` is written
+    cdef const float[:, ::1] fa, fb
+    cdef float[:, ::1] fc
+    cdef const double[:, ::1] da, db
+    cdef double[:, ::1] dc
     if a.dtype.itemsize == 4:
         fa, fb, fc = a_st, b_st, out
-        _gemm_rows[float](cta, ctb, M, N, K, 1.0, &fa[0, 0], lda, &fb[0, 0], ldb, <float>beta,
-                          &fc[0, 0], nthreads)
+        _gemm_rows[float](cta, ctb, M, N, K, 1.0, <float*>&fa[0, 0], lda, <float*>&fb[0, 0], ldb,
+                          <float>beta, &fc[0, 0], nthreads)
     else:
         da, db, dc = a_st, b_st, out
-        _gemm_rows[double](cta, ctb, M, N, K, 1.0, &da[0, 0], lda, &db[0, 0], ldb, beta,
-                           &dc[0, 0], nthreads)
+        _gemm_rows[double](cta, ctb, M, N, K, 1.0, <double*>&da[0, 0], lda, <double*>&db[0, 0],
+                           ldb, beta, &dc[0, 0], nthreads)
     return out
 
 
@@ -179,17 +183,19 @@ def batched_gemm(a, b, out=None, int num_threads=1):
     cdef Py_ssize_t i, sa = <Py_ssize_t>M * K, sb = <Py_ssize_t>K * N, sc = <Py_ssize_t>M * N
     cdef float alpha_f = 1, beta_f = 0
     cdef double alpha_d = 1, beta_d = 0
-    cdef float[:, :, ::1] fa3, fb3, fc3
-    cdef double[:, :, ::1] da3, db3, dc3
+    cdef const float[:, :, ::1] fa3, fb3
+    cdef float[:, :, ::1] fc3
+    cdef const double[:, :, ::1] da3, db3
+    cdef double[:, :, ::1] dc3
     if a.dtype.itemsize == 4:
         fa3, fb3, fc3 = a_st, b_st, out
         for i in prange(L, nogil=True, num_threads=nthreads, schedule="static"):
-            sgemm(&fb, &fa, &N, &M, &K, &alpha_f, &fb3[i, 0, 0], &ldb, &fa3[i, 0, 0], &lda,
+            sgemm(&fb, &fa, &N, &M, &K, &alpha_f, <float*>&fb3[i, 0, 0], &ldb, <float*>&fa3[i, 0, 0], &lda,
                   &beta_f, &fc3[i, 0, 0], &N)
     else:
         da3, db3, dc3 = a_st, b_st, out
         for i in prange(L, nogil=True, num_threads=nthreads, schedule="static"):
-            dgemm(&fb, &fa, &N, &M, &K, &alpha_d, &db3[i, 0, 0], &ldb, &da3[i, 0, 0], &lda,
+            dgemm(&fb, &fa, &N, &M, &K, &alpha_d, <double*>&db3[i, 0, 0], &ldb, <double*>&da3[i, 0, 0], &lda,
                   &beta_d, &dc3[i, 0, 0], &N)
     return out
 

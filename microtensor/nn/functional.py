@@ -58,6 +58,12 @@ __all__ = [
 
 # ---- small helpers -----------------------------------------------------------------
 
+class DtypeError(TypeError, RuntimeError):
+    """A tensor of the wrong dtype. Both a TypeError (Python's word for it) and a
+    RuntimeError (what torch raises for a dtype its kernel does not take), as ShapeError
+    is both a ValueError and a RuntimeError."""
+
+
 def _tensor(x, what):
     if not isinstance(x, Tensor):
         raise TypeError(f"{what} must be a microtensor Tensor, got {type(x).__name__}")
@@ -68,7 +74,7 @@ def _float_array(x, what):
     """The float32/float64 array behind a tensor argument, or TypeError."""
     d = _tensor(x, what)._data
     if d.dtype != np.float32 and d.dtype != np.float64:
-        raise TypeError(f"{what} must be a floating tensor (float32 or float64), got {d.dtype}")
+        raise DtypeError(f"{what} must be a floating tensor (float32 or float64), got {d.dtype}")
     return d
 
 
@@ -79,7 +85,7 @@ def _same_dtype(op, **arrays):
     for k, a in items[1:]:
         if a.dtype != dt:
             names = ", ".join(f"{k}: {a.dtype}" for k, a in items)
-            raise TypeError(f"{op}: expected all tensors to have the same dtype, got {names}")
+            raise DtypeError(f"{op}: expected all tensors to have the same dtype, got {names}")
 
 
 def _contig(a):
@@ -180,11 +186,12 @@ def _softmax_like(input, dim, dtype, log):
     if dtype is not None:
         input = input.to(dtype)
     x = _float_array(input, "log_softmax input" if log else "softmax input")
-    if x.ndim == 0:                                      # a 0-d tensor: as torch, 1 (or 0)
-        return _core.log_softmax(input, dim) if log else _core.softmax(input, dim)
-    if not isinstance(dim, (int, np.integer)) or not -x.ndim <= dim < x.ndim:
+    nd = max(x.ndim, 1)                                  # a 0-d tensor takes dim 0 or -1
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not -nd <= dim < nd:
         raise IndexError(f"Dimension out of range (expected to be in range of "
-                         f"[{-x.ndim}, {x.ndim - 1}], but got {dim})")
+                         f"[{-nd}, {nd - 1}], but got {dim})")
+    if x.ndim == 0:                                      # as one row of one: 1 (log: 0), as torch
+        return _softmax_like(input.reshape(1), 0, None, log).reshape(())
     dim = int(dim) % x.ndim
     moved = _contig(np.moveaxis(x, dim, -1))             # (..., N), a view when dim is last
     rows = moved.reshape(-1, moved.shape[-1]) if moved.size else moved.reshape(0, 0)
@@ -192,7 +199,9 @@ def _softmax_like(input, dim, dtype, log):
     if rows.size:
         kernel = _fused.log_softmax_forward if log else _fused.softmax_forward
         kernel(out, rows, _threads(rows.size))
-    res = wrap(np.moveaxis(out.reshape(moved.shape), -1, dim))
+    # NOTE: contiguous, as torch's result (so that .view works on it); a copy only when
+    # dim is not the last one
+    res = wrap(np.ascontiguousarray(np.moveaxis(out.reshape(moved.shape), -1, dim)))
     if needs_graph((input,)):
         node = LogSoftmaxBackward() if log else SoftmaxBackward()
         node.out, node.dim, node.moved_shape = out, dim, moved.shape
@@ -557,7 +566,7 @@ def nll_loss(input, target, ignore_index=-100, reduction="mean"):
     _check_reduction(reduction)
     t = target._data if isinstance(target, Tensor) else np.asarray(target)
     if t.dtype.kind not in "iu":
-        raise TypeError(f"nll_loss: target must be an integer (int64) tensor of class "
+        raise DtypeError(f"nll_loss: target must be an integer (int64) tensor of class "
                         f"indices, got dtype {t.dtype}")
     t = np.array(t, dtype=np.int64, copy=True)          # private: checked once, then used
     if logp.ndim != 2 or t.shape != (logp.shape[0],):
@@ -582,14 +591,16 @@ class MSELossBackward(Node):
 
     def backward(self, g):
         diff = self.diff
+        # NOTE: np.asarray throughout: numpy turns 0-d results into scalars
         if self.reduction == "none":
-            d = 2 * diff * g
+            d = np.asarray(2 * diff * g)
         else:
-            scale = 2 * float(g) / (diff.size if self.reduction == "mean" else 1)
-            d = diff * scale
+            # (an empty input has an empty gradient: no division by its size of 0)
+            scale = 2 * float(g) / (max(diff.size, 1) if self.reduction == "mean" else 1)
+            d = np.asarray(diff * scale)
         d = d.astype(diff.dtype, copy=False)
         da = _unbroadcast(d, self.a_shape) if _wants_grad(self, 0) else None
-        db = -_unbroadcast(d, self.b_shape) if _wants_grad(self, 1) else None
+        db = np.asarray(0 - _unbroadcast(d, self.b_shape)) if _wants_grad(self, 1) else None
         return (da, db)
 
 
@@ -602,16 +613,17 @@ def mse_loss(input, target, reduction="mean"):
     b = _float_array(target, "mse_loss target")
     _check_reduction(reduction)
     try:
-        diff = a - b
+        diff = np.asarray(a - b)                        # (an array also when 0-d)
     except ValueError:
         raise ShapeError(f"mse_loss: input shape {a.shape} and target shape {b.shape} cannot "
                          "be broadcast together") from None
     if reduction == "none":
-        out = diff * diff
+        out = np.asarray(diff * diff)
     elif reduction == "sum":
         out = np.asarray(np.sum(diff * diff), dtype=diff.dtype)
     else:
-        out = np.asarray(np.mean(diff * diff), dtype=diff.dtype)
+        with np.errstate(invalid="ignore", divide="ignore"):   # empty: NaN, as torch
+            out = np.asarray(np.mean(diff * diff) if diff.size else np.nan, dtype=diff.dtype)
     out = wrap(out)
     inputs = (input, target)
     if needs_graph(inputs):
@@ -645,7 +657,7 @@ def embedding(input, weight, padding_idx=None):
     w = _float_array(weight, "embedding weight")
     idx = input._data if isinstance(input, Tensor) else np.asarray(input)
     if idx.dtype.kind not in "iu":
-        raise TypeError(f"embedding: indices must be an integer (int64) tensor, got dtype {idx.dtype}")
+        raise DtypeError(f"embedding: indices must be an integer (int64) tensor, got dtype {idx.dtype}")
     if w.ndim != 2:
         raise ShapeError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {w.shape}")
     V, D = w.shape
@@ -677,7 +689,7 @@ class DropoutBackward(Node):
     """y = x * m / (1 - p);  dx = g * m / (1 - p)   (m: the kept positions)"""
 
     def backward(self, g):
-        return (g * self.mask,)
+        return (np.asarray(g * self.mask),)
 
 
 
@@ -726,7 +738,7 @@ def _attention_mask(attn_mask, Tq, Tk, dtype):
     elif m.dtype.kind == "f":
         m = m.astype(dtype, copy=False)
     else:
-        raise TypeError(f"scaled_dot_product_attention: attn_mask must be bool (True = attend) "
+        raise DtypeError(f"scaled_dot_product_attention: attn_mask must be bool (True = attend) "
                         f"or float (added to the scores), got dtype {m.dtype}")
     if m.ndim < 2:
         m = m.reshape((1,) * (2 - m.ndim) + m.shape)
