@@ -1135,3 +1135,71 @@ def test_every_generation_step_logits_and_distribution(monkeypatch, pos):
     for logits in seen:
         np.testing.assert_allclose(gpt.sampling_probs(logits, 0.9, 8, 0.8),
                                    nucleus_reference(logits, 0.9, 8, 0.8), rtol=1e-12, atol=1e-15)
+
+
+# ---- found by the differential fuzzer (tests/test_fuzz_torch.py) ---------------------
+
+def test_softmax_over_a_leading_dim_is_contiguous_as_torch():
+    # torch's result is contiguous, so .view works on it; ours was a transposed view
+    x = mt.randn(1, 2, 2, requires_grad=True)
+    y = F.softmax(x, 1)
+    assert y.is_contiguous()
+    y.view(-1).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), 0, atol=1e-6)
+
+
+def test_softmax_of_a_zero_dim_tensor_as_torch():
+    # torch: softmax of a 0-d tensor is 1 (log_softmax 0), dim 0 or -1, in its dtype;
+    # F.softmax and the core's t.softmax used to call each other forever
+    for dtype in (mt.float32, mt.float64):
+        x = mt.tensor(2.0, dtype=dtype, requires_grad=True)
+        y = F.softmax(x, 0)
+        assert y.shape == () and y.dtype == dtype and y.item() == 1.0
+        assert F.log_softmax(x, -1).item() == 0.0
+        y.backward()
+        assert x.grad.item() == 0.0
+        with pytest.raises(IndexError, match="Dimension out of range"):
+            F.softmax(x, 1)
+
+
+def test_mse_loss_of_empty_and_zero_dim_inputs_as_torch():
+    torch = pytest.importorskip("torch")
+    for shape in ((0,), (), (2, 0)):
+        a0, b0 = rng.standard_normal(shape), rng.standard_normal(shape)
+        a, b = mt.tensor(a0, requires_grad=True), mt.tensor(b0, requires_grad=True)
+        ta, tb = torch.tensor(a0, requires_grad=True), torch.tensor(b0, requires_grad=True)
+        for reduction in ("mean", "sum", "none"):
+            out = F.mse_loss(a, b, reduction=reduction)
+            tout = torch.nn.functional.mse_loss(ta, tb, reduction=reduction)
+            np.testing.assert_allclose(out.numpy(), tout.detach().numpy(), equal_nan=True)
+            out.sum().backward()
+            tout.sum().backward()
+        np.testing.assert_allclose(a.grad.numpy(), ta.grad.numpy(), rtol=1e-12)
+        np.testing.assert_allclose(b.grad.numpy(), tb.grad.numpy(), rtol=1e-12)
+
+
+def test_dtype_errors_are_type_and_runtime_errors():
+    # torch raises RuntimeError for mismatched or unsupported dtypes; Python code expects
+    # TypeError: F's DtypeError is both (as mt.ShapeError is a ValueError and a RuntimeError)
+    q = mt.randn(1, 2, 3)
+    for call in (lambda: F.scaled_dot_product_attention(q, q, q.double()),
+                 lambda: F.linear(mt.randn(2, 3), mt.randn(4, 3, dtype=mt.float64)),
+                 lambda: F.gelu(mt.tensor([1, 2]))):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert isinstance(info.value, TypeError)
+
+
+def test_gemm_takes_read_only_operands():
+    # a broadcast view (np.broadcast_to) is read-only; backward of a matmul with an
+    # expanded operand used to fail with "buffer source array is read-only"
+    a = np.broadcast_to(rng.standard_normal((1, 4)), (3, 4))
+    b = rng.standard_normal((4, 2))
+    b.flags.writeable = False
+    np.testing.assert_allclose(_blas.gemm(a, b), a @ b, rtol=1e-12)
+    a3 = np.broadcast_to(rng.standard_normal((1, 3, 4)), (2, 3, 4))
+    np.testing.assert_allclose(_blas.batched_gemm(a3, np.stack([b, b])), a3 @ b, rtol=1e-12)
+    x = mt.ones(1, 1, 3, requires_grad=True)
+    v = mt.ones(3, requires_grad=True)
+    (x @ v.expand(3)).sum().backward()
+    np.testing.assert_array_equal(v.grad.numpy(), 1)
