@@ -1,6 +1,7 @@
-# cython: embedsignature=True, wraparound=True
-# (wraparound stays on for this Python-level code: shape[-1] must mean the last
-#  dim. The kernels turn it off one by one.)
+# cython: embedsignature=True, wraparound=True, boundscheck=True
+# (wraparound and bounds checks stay on for this Python-level code: shape[-1] must mean
+#  the last dim, and shape[d] of a wrong d must raise, not read past the tuple. The
+#  kernels in kernels.pxi turn both off one by one, after checking their arguments.)
 """microtensor's core: the Tensor, the graph Node, the autograd engine, and the ops.
 
 The source is split by concept into include files beside this one, all compiled

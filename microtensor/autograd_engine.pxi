@@ -233,7 +233,7 @@ cdef object _gsum(object a, object b):
     """a + b for two gradients (arrays, or tensors under create_graph)."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return add(a, b)
-    return a + b
+    return np.asarray(a + b)       # two 0-d arrays add up to a numpy scalar: keep an array
 
 
 cdef object _sum_into(dict pending, set owned, Node m, object gi):
@@ -258,7 +258,7 @@ cdef object _sum_into(dict pending, set owned, Node m, object gi):
     elif m in owned:
         np.add(prev, gi, out=prev)
     else:
-        pending[m] = prev + gi
+        pending[m] = np.asarray(prev + gi)    # (0-d + 0-d gives a numpy scalar)
         owned.add(m)
 
 

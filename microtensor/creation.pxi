@@ -10,6 +10,8 @@ cdef object _to_array(object data, object dtype):
         a = (<Tensor>data)._data
     elif isinstance(data, np.ndarray):
         a = data
+    elif isinstance(data, np.generic):
+        a = np.asarray(data)                 # a numpy scalar keeps its dtype, as in torch
     elif isinstance(data, bool):
         a = np.array(data, dtype=bool_)
     elif isinstance(data, int):

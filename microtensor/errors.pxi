@@ -5,6 +5,15 @@ class ShapeError(ValueError, RuntimeError):
     RuntimeError (as PyTorch code expects), like numpy's AxisError inherits two."""
 
 
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument value that torch answers with RuntimeError: both, as ShapeError."""
+
+
+class DtypeMismatchError(TypeError, RuntimeError):
+    """Operands of different dtypes where torch expects one (matmul): a TypeError and,
+    as torch raises it, a RuntimeError."""
+
+
 cdef inline int _norm_dim(object dim, int ndim) except? -1:
     """A dim in [-ndim, ndim) as a non-negative int, or IndexError."""
     cdef int d

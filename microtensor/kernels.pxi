@@ -67,6 +67,7 @@ cdef inline int _bounded_threads(object n, str what) except -1:
 
 # ---- elementwise backward pairs (dinp = dout * f'(...)), flat contiguous ----------
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def exp_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d exp(x) = g * exp(x) = g * y"""
@@ -76,6 +77,7 @@ def exp_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
         dinp[i] = dout[i] * out[i]
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def log_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
     """d log(x) = g / x"""
@@ -85,6 +87,7 @@ def log_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
         dinp[i] = dout[i] / inp[i]
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def sqrt_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d sqrt(x) = g / (2 sqrt(x))"""
@@ -94,6 +97,7 @@ def sqrt_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
         dinp[i] = dout[i] * 0.5 / out[i]
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d tanh(x) = g * (1 - y^2)"""
@@ -103,6 +107,7 @@ def tanh_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
         dinp[i] = dout[i] * (1 - out[i] * out[i])
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def sigmoid_forward(real[::1] out, const real[::1] inp):
     """y = 1 / (1 + exp(-x)), written so that neither branch overflows"""
@@ -117,6 +122,7 @@ def sigmoid_forward(real[::1] out, const real[::1] inp):
             out[i] = z / (1 + z)
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def sigmoid_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
     """d sigmoid(x) = g * y * (1 - y)"""
@@ -126,6 +132,7 @@ def sigmoid_backward(real[::1] dinp, const real[::1] dout, const real[::1] out):
         dinp[i] = dout[i] * out[i] * (1 - out[i])
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def relu_forward(real[::1] out, const real[::1] inp):
     """y = max(x, 0)"""
@@ -135,6 +142,7 @@ def relu_forward(real[::1] out, const real[::1] inp):
         out[i] = 0 if inp[i] <= 0 else inp[i]     # NOTE: written so that NaN stays NaN
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def relu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
     """d relu(x) = g * (x > 0).  NOTE: the gradient at exactly 0 is 0, as in torch
@@ -145,9 +153,10 @@ def relu_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
         dinp[i] = 0 if inp[i] <= 0 else dout[i]
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def abs_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
-    """d |x| = g * sign(x)  (0 at 0, as in torch)"""
+    """d |x| = g * sign(x)  (0 at 0, as in torch; g * 0 and g * NaN keep a NaN)"""
     cdef Py_ssize_t i, n = dinp.shape[0]
     _check_same("abs_backward", n, dout.shape[0], inp.shape[0])
     for i in prange(n, nogil=True, num_threads=_threads(n), schedule="static"):
@@ -155,10 +164,13 @@ def abs_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp):
             dinp[i] = dout[i]
         elif inp[i] < 0:
             dinp[i] = -dout[i]
+        elif inp[i] == 0:
+            dinp[i] = dout[i] * 0
         else:
-            dinp[i] = 0
+            dinp[i] = dout[i] * inp[i]     # sign(NaN) is NaN
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def clamp_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp,
                    double lo, double hi):
@@ -171,6 +183,7 @@ def clamp_backward(real[::1] dinp, const real[::1] dout, const real[::1] inp,
 
 # ---- reductions along the last axis (rows of a 2-D view) ---------------------------
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def max_lastdim(const real[:, ::1] inp, real[::1] values, long long[::1] indices):
     """(R, N) -> values (R,), indices (R,): the first maximum of each row (NaN wins)"""
@@ -195,6 +208,7 @@ def max_lastdim(const real[:, ::1] inp, real[::1] values, long long[::1] indices
 
 # ---- gather / scatter-add along the first axis -------------------------------------
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def scatter_add_rows(real[:, ::1] dst, const long long[::1] index, const real[:, ::1] src):
     """dst[index[i], :] += src[i, :]   (repeated indices accumulate)
@@ -215,6 +229,7 @@ def scatter_add_rows(real[:, ::1] dst, const long long[::1] index, const real[:,
                 dst[row, j] += src[i, j]
 
 
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def sum_of_squares(const real[::1] x, int num_threads=1):
     """sum(x^2) accumulated in double, in one pass (clip_grad_norm_'s inner loop)."""

@@ -67,6 +67,9 @@ def matmul(a, b):
     if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray) or x.ndim == 0 or y.ndim == 0:
         raise ShapeError("matmul: both arguments need at least 1 dimension "
                          f"(got shapes {tuple(_shape_of(x))} and {tuple(_shape_of(y))})")
+    if x.dtype != y.dtype and x.dtype.kind == "f" and y.dtype.kind == "f":
+        raise DtypeMismatchError(f"matmul: expected both operands to have the same dtype, got "
+                                 f"{_dtype_name(x.dtype)} and {_dtype_name(y.dtype)}")
     kx = x.shape[-1]
     ky = y.shape[0] if y.ndim == 1 else y.shape[-2]
     if kx != ky:

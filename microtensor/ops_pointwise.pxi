@@ -168,15 +168,19 @@ cdef class PowBackward(Node):
         with np.errstate(divide="ignore", invalid="ignore"):
             if self.inputs[0] is not None:
                 if isinstance(self.b, (int, float)):
-                    # NOTE: x**0 has gradient 0 everywhere, also at x = 0 (not 0 * inf)
-                    da = g * (self.b * np.power(self.a, self.b - 1)) if self.b != 0 else g * 0
+                    # NOTE: x**0 has gradient 0 everywhere, also at x = 0 (not 0 * inf) and
+                    # whatever the upstream gradient (as torch)
+                    if self.b != 0:
+                        da = g * (self.b * np.power(self.a, self.b - 1))
+                    else:
+                        da = np.zeros(np.shape(self.a), dtype=g.dtype)
                 else:
-                    local = np.where(self.b == 0, 0, self.b * np.power(self.a, self.b - 1))
-                    da = unbroadcast(g * local, _shape_of(self.a))
+                    da = np.where(self.b == 0, 0, g * (self.b * np.power(self.a, self.b - 1)))
+                    da = unbroadcast(da.astype(g.dtype, copy=False), _shape_of(self.a))
             if self.inputs[1] is not None:
                 # d/de x**e at x = 0 (e >= 0) is 0, as in torch, not 0 * log(0)
-                local = np.where((self.a == 0) & (self.b >= 0), 0, self.out * np.log(self.a))
-                db = unbroadcast(g * local, _shape_of(self.b))
+                db = np.where((self.a == 0) & (self.b >= 0), 0, g * (self.out * np.log(self.a)))
+                db = unbroadcast(db.astype(g.dtype, copy=False), _shape_of(self.b))
         return (da, db)
 
     cpdef release(self):
@@ -336,7 +340,7 @@ cdef class ClampBackward(Node):
 def clamp(x, min=None, max=None):
     cdef Tensor t = _t(x)
     if min is None and max is None:
-        raise ValueError("clamp: at least one of min and max must be given")
+        raise ArgumentError("clamp: at least one of 'min' or 'max' must not be None")
     if isinstance(min, Tensor) or isinstance(max, Tensor):
         # tensor bounds: compose from where() so gradients reach them too
         out = x

@@ -115,38 +115,60 @@ def std(x, dim=None, keepdim=False, correction=1):
     return sqrt(var(x, dim, keepdim, correction))
 
 
+cpdef object _max_hits(object x, object out, bint evenly):
+    """Where x reaches its maximum `out`; for max() a NaN maximum is reached at the NaNs."""
+    hit = (x == out)
+    if evenly:
+        nan_out = np.isnan(out)
+        if nan_out.any():
+            hit = np.where(nan_out, np.isnan(x), hit)
+    return hit
+
+
 cdef class AmaxBackward(Node):
     """y = max over dims;  dx = g / (number of ties) at every maximal element"""
     cdef readonly object x, out
     cdef readonly tuple dims
     cdef readonly bint keepdim
+    cdef readonly bint evenly      # max() of everything: a NaN maximum sends g to the NaNs
     cpdef tuple backward(self, g):
         out = self.out
         if not self.keepdim and self.dims:
             g = np.expand_dims(g, self.dims)
             out = np.expand_dims(out, self.dims)
-        hit = (self.x == out)
+        hit = _max_hits(self.x, out, self.evenly)
         count = hit.sum(axis=self.dims, keepdims=True)
-        return (np.where(hit, g / count, 0).astype(self.x.dtype, copy=False),)
+        # NOTE: (g / count) * hit, not where(hit, ...): a NaN upstream (or a NaN maximum,
+        # count 0) stays NaN everywhere, as torch's amax gives
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (((g / count) * hit).astype(self.x.dtype, copy=False),)
+
 
     cpdef release(self):
         self.x = self.out = None
 
 
 def amax(x, dim=None, keepdim=False):
+    return _amax(x, dim, keepdim, False)
+
+
+cdef Tensor _amax(object x, object dim, bint keepdim, bint evenly):
     cdef Tensor t = _t(x)
     cdef tuple dims = _norm_dims(dim, t._data.ndim)
-    if t._data.size == 0:
-        raise ValueError(f"amax(): cannot reduce an empty tensor of shape {t._data.shape}")
+    if t._data.size == 0 and dim is None:
+        raise ArgumentError(f"max(): expected a dim to reduce over for an empty tensor "
+                            f"(shape {t._data.shape})")
     for i in dims:
         if t._data.shape[i] == 0:
-            raise ValueError(f"amax(): cannot reduce over dimension {i} of size 0")
+            raise IndexError(f"max(): cannot reduce over dimension {i} of size 0 "
+                             f"(shape {t._data.shape})")
     out = np.asarray(t._data.max(axis=dims, keepdims=keepdim))
     cdef Tensor res = Tensor._wrap(out)
     cdef AmaxBackward node
     if _grad_on() and t._requires_grad:
         node = AmaxBackward.__new__(AmaxBackward)
         node.x, node.out, node.dims, node.keepdim = t._data, out, dims, keepdim
+        node.evenly = evenly
         _attach(res, node, (t,))
     return res
 
@@ -203,7 +225,7 @@ def max(x, dim=None, keepdim=False):
     if dim is None:
         if isinstance(keepdim, Tensor):
             raise TypeError("max(a, b) of two tensors: use mt.maximum(a, b)")
-        return amax(x)
+        return _amax(x, None, False, True)
     if isinstance(dim, Tensor):
         return maximum(x, dim)
     cdef Tensor t = _t(x)
@@ -224,7 +246,7 @@ def max(x, dim=None, keepdim=False):
 
 def min(x, dim=None, keepdim=False):
     if dim is None:
-        return amin(x)
+        return neg(_amax(neg(x), None, False, True))
     values, indices = max(neg(x), dim, keepdim)
     return MaxResult(neg(values), indices)
 
@@ -244,19 +266,20 @@ class MaxResult(tuple):
 
 
 cdef class MaximumBackward(Node):
-    """y = max(a, b);  da = g * w,  db = g * (1 - w),  w = 1 where a > b, 1/2 at ties"""
-    cdef readonly object weight
+    """y = max(a, b);  da = g * wa,  db = g * wb:  1 to the winner, 1/2 each at a tie,
+    1 to both where a NaN makes the comparison false (as torch)"""
+    cdef readonly object weight, weight_b
     cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
         da = db = None
         if self.inputs[0] is not None:
             da = unbroadcast(g * self.weight, self.ashape)
         if self.inputs[1] is not None:
-            db = unbroadcast(g * (1 - self.weight), self.bshape)
+            db = unbroadcast(g * self.weight_b, self.bshape)
         return (da, db)
 
     cpdef release(self):
-        self.weight = None
+        self.weight = self.weight_b = None
 
 
 cdef object _extremum(object a, object b, bint is_max):
@@ -268,8 +291,11 @@ cdef object _extremum(object a, object b, bint is_max):
     out = np.asarray(_promote(out, x, y))
     cdef MaximumBackward node = MaximumBackward.__new__(MaximumBackward)
     if out.dtype.kind == "f":
-        wins = np.greater(x, y) if is_max else np.less(x, y)
-        node.weight = np.where(wins, 1.0, np.where(np.equal(x, y), 0.5, 0.0)).astype(out.dtype)
+        a_loses = np.less(x, y) if is_max else np.greater(x, y)
+        b_loses = np.greater(x, y) if is_max else np.less(x, y)
+        tie = np.equal(x, y)
+        node.weight = np.where(tie, 0.5, np.where(a_loses, 0.0, 1.0)).astype(out.dtype)
+        node.weight_b = np.where(tie, 0.5, np.where(b_loses, 0.0, 1.0)).astype(out.dtype)
     node.ashape, node.bshape = _shape_of(x), _shape_of(y)
     return _binary_result(out, a, b, node)
 
@@ -321,7 +347,7 @@ def softmax(x, dim=None):
     cdef Tensor t = _t(x)
     if t._data.ndim == 0 and dim is not None:   # one element: 1, with gradient 0
         _norm_dim(dim, 0)
-        return add(mul(t, 0.0), 1.0)
+        return _one_with_zero_slope(t)
     return _softmax_impl(x, dim)
 
 
@@ -330,12 +356,26 @@ def log_softmax(x, dim=None):
     cdef Tensor t = _t(x)
     if t._data.ndim == 0 and dim is not None:   # one element: 0, with gradient 0
         _norm_dim(dim, 0)
-        return mul(t, 0.0)
+        return log(_one_with_zero_slope(t))
     return _log_softmax_impl(x, dim)
+
+
+cdef Tensor _one_with_zero_slope(Tensor t):
+    """1 with derivative 0 at any finite t, NaN at NaN or inf (softmax of one element, as
+    torch: y (g - g y) = 0): e (2 - e) with e = exp(t - t) = 1 and de/dt = e."""
+    e = exp(sub(t, t.detach()))
+    return mul(e, sub(2.0, e))
 
 
 def logsumexp(x, dim, keepdim=False):
     """y = log(sum(exp(x))) along dim, shifted by the max for stability."""
+    cdef Tensor t = _t(x)
+    cdef tuple dims = _norm_dims(dim, t._data.ndim)
+    for i in dims:
+        if t._data.shape[i] == 0:   # the sum of no exponentials: log 0 = -inf, as torch
+            shape = tuple(1 if k in dims else s for k, s in enumerate(t._data.shape)) if keepdim \
+                else tuple(s for k, s in enumerate(t._data.shape) if k not in dims)
+            return Tensor._wrap(np.full(shape, -np.inf, dtype=t._data.dtype))
     m = np.array(amax(x, dim, True)._data, copy=True)
     m[~np.isfinite(m)] = 0      # all -inf gives -inf, a +inf gives inf (as torch), not NaN
     out = add(log(sum(exp(sub(x, m)), dim, True)), m)

@@ -85,9 +85,12 @@ def flatten(x, start_dim=0, end_dim=-1):
     s = _norm_dim(start_dim, nd)
     e = _norm_dim(end_dim, nd)
     if s > e:
-        raise ValueError(f"flatten: start_dim ({start_dim}) comes after end_dim ({end_dim})")
+        raise ArgumentError(f"flatten: start_dim ({start_dim}) comes after end_dim ({end_dim})")
     shp = t._data.shape
-    return reshape(t, shp[:s] + (-1 if 0 not in shp[s:e + 1] else 0,) + shp[e + 1:])
+    merged = 1
+    for k in shp[s:e + 1]:
+        merged *= k
+    return reshape(t, shp[:s] + (merged,) + shp[e + 1:])
 
 
 def unsqueeze(x, dim):
@@ -140,6 +143,8 @@ def transpose(x, dim0, dim1):
     cdef Tensor t = _t(x)
     nd = t._data.ndim
     if nd == 0:
+        _norm_dim(dim0, 0)          # a 0-d tensor takes dims 0 and -1 only (IndexError)
+        _norm_dim(dim1, 0)
         return t
     a, b = _norm_dim(dim0, nd), _norm_dim(dim1, nd)
     order = list(range(nd))
@@ -200,6 +205,8 @@ def contiguous(x):
 
 def split(x, split_size_or_sections, dim=0):
     cdef Tensor t = _t(x)
+    if t._data.ndim == 0:
+        raise ArgumentError("split expects at least a 1-dimensional tensor")
     cdef int d = _norm_dim(dim, t._data.ndim)
     n = t._data.shape[d]
     if isinstance(split_size_or_sections, (int, np.integer)):
@@ -227,6 +234,8 @@ def split(x, split_size_or_sections, dim=0):
 
 def chunk(x, chunks, dim=0):
     cdef Tensor t = _t(x)
+    if t._data.ndim == 0:
+        raise ArgumentError("chunk expects at least a 1-dimensional tensor")
     if chunks <= 0:
         raise ValueError(f"chunk: chunks must be positive, got {chunks}")
     cdef int d = _norm_dim(dim, t._data.ndim)
@@ -252,8 +261,9 @@ def cat(tensors, dim=0):
     if not tensors:
         raise ValueError("cat: expected a non-empty list of tensors")
     nd = tensors[0]._data.ndim
-    if nd == 0:
-        raise ShapeError("cat: zero-dimensional tensors cannot be concatenated")
+    for tt in tensors:
+        if (<Tensor>tt)._data.ndim == 0:
+            raise ShapeError("cat: zero-dimensional tensors cannot be concatenated")
     cdef int d = _norm_dim(dim, nd)
     ref = tensors[0]._data.shape
     for i, tt in enumerate(tensors):
@@ -282,11 +292,11 @@ def stack(tensors, dim=0):
     if not tensors:
         raise ValueError("stack: expected a non-empty list of tensors")
     ref = tensors[0]._data.shape
+    d = _norm_dim(dim, len(ref) + 1)     # the dim first, as torch checks it
     for i, tt in enumerate(tensors):
         if (<Tensor>tt)._data.shape != ref:
             raise ShapeError(f"stack: expects each tensor to be equal size, but got {ref} at "
                              f"entry 0 and {(<Tensor>tt)._data.shape} at entry {i}")
-    d = _norm_dim(dim, len(ref) + 1)
     return cat([unsqueeze(tt, d) for tt in tensors], d)
 
 

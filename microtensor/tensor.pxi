@@ -84,6 +84,8 @@ cdef class Tensor:
     def size(self, dim=None):
         if dim is None:
             return self._data.shape
+        if self._data.ndim == 0:
+            raise IndexError(f"dimension specified as {dim} but tensor has no dimensions")
         return self._data.shape[_norm_dim(dim, self._data.ndim)]
 
     def element_size(self):
@@ -371,10 +373,17 @@ cdef class Tensor:
     cdef _check_inplace(self):
         """Every in-place op starts here: refuse a leaf that requires grad (in grad
         mode), and count the change, so backward can tell a saved tensor was modified."""
-        if _grad_on() and self._requires_grad and self._node is None:
+        if _grad_on() and self._requires_grad:
+            if self._node is None:
+                raise RuntimeError(
+                    "a leaf tensor that requires grad is being used in an in-place operation; "
+                    "wrap it in `with mt.no_grad():` or update `t.data`")
+            # NOTE: the engine records no in-place op in the graph, so going on would give
+            # a silently wrong gradient: refuse instead (torch records it)
             raise RuntimeError(
-                "a leaf tensor that requires grad is being used in an in-place operation; "
-                "wrap it in `with mt.no_grad():` or update `t.data`")
+                f"an in-place operation on a tensor that requires grad (made by "
+                f"{self._node.name()}) is not recorded by microtensor's autograd; write it "
+                f"out of place (y = y * 2 instead of y.mul_(2)) or run it under mt.no_grad()")
         if not self._data.flags.writeable:
             raise RuntimeError("this tensor's storage is read-only (an expanded or broadcast "
                                "view); clone() it before changing it in place")

@@ -24,11 +24,16 @@ def f64(*shape, grad=True, seed=0):
 # ---- version counters ------------------------------------------------------------------
 
 def test_inplace_change_of_a_saved_output_raises():
-    # torch: "one of the variables needed for gradient computation has been modified
-    # by an inplace operation"
+    # the issue's reproducer: this gave exp(a) + 1 as the gradient. With grad mode on the
+    # in-place op itself is refused (the engine does not record in-place ops); under
+    # no_grad it is counted, and backward raises torch's "one of the variables needed for
+    # gradient computation has been modified by an inplace operation"
     a = f64(3)
     y = a.exp()
-    y.add_(1)
+    with pytest.raises(RuntimeError, match="not recorded"):
+        y.add_(1)
+    with mt.no_grad():
+        y.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
 
@@ -48,7 +53,8 @@ def test_inplace_change_of_an_unsaved_input_is_allowed():
     b = f64(3)
     c = b * 1.0
     z = (c + 1).sum()
-    c.add_(1)
+    with mt.no_grad():
+        c.add_(1)
     z.backward()
     np.testing.assert_array_equal(b.grad.numpy(), np.ones(3))
 
@@ -74,7 +80,8 @@ def test_inplace_through_a_view_of_a_saved_tensor_raises():
     a = f64(2, 3)
     y = a.tanh()                       # tanh saves its output
     loss = y.sum()
-    y[0].mul_(2)
+    with mt.no_grad():
+        y[0].mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -520,3 +527,31 @@ def test_autograd_grad_runs_only_the_nodes_that_lead_to_its_inputs():
     (gc,) = mt.autograd.grad(c.sum(), c)
     assert not calls                     # Spy sits upstream of c: never run
     np.testing.assert_array_equal(gc.numpy(), np.ones(2))
+
+
+def test_inplace_on_a_tensor_that_requires_grad_is_refused_not_wrong():
+    # torch records in-place ops; microtensor's engine does not, so it refuses them rather
+    # than give x.grad = 1 for y = x * 1; y.mul_(2) (torch: 2)
+    x = mt.ones(3, requires_grad=True)
+    y = x * 1.0
+    with pytest.raises(RuntimeError, match="out of place"):
+        y.mul_(2.0)
+    with pytest.raises(RuntimeError):
+        x[::2].add_(1.0)                # a view of a leaf that requires grad (torch refuses too)
+    (y * 2.0).sum().backward()          # the out-of-place form works
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, 2.0, 2.0])
+
+
+def test_size_and_split_of_a_0d_tensor_raise_instead_of_crashing():
+    code = ("import microtensor as mt\n"
+            "t = mt.tensor(1.0)\n"
+            "for f in (lambda: t.size(0), lambda: t.split(1, 0), lambda: t.chunk(1, 0),\n"
+            "          lambda: mt.cat([mt.ones(1), t], -2), lambda: t.transpose(0, -2)):\n"
+            "    try:\n"
+            "        f()\n"
+            "    except (IndexError, RuntimeError):\n"
+            "        pass\n"
+            "    else:\n"
+            "        raise SystemExit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr)

@@ -254,10 +254,9 @@ def _cast(node, g):
 
 @register(C.MaximumBackward)
 def _maximum(node, g):
-    """y = max(a, b);  da = g * w,  db = g * (1 - w)   (w: 1 where a wins, 1/2 at ties)"""
-    w = node.weight
-    return (_sum_to(C.mul(g, w), node.ashape) if _wants(node, 0) else None,
-            _sum_to(C.mul(g, 1 - w), node.bshape) if _wants(node, 1) else None)
+    """y = max(a, b);  da = g * wa,  db = g * wb   (1 to the winner, 1/2 each at ties)"""
+    return (_sum_to(C.mul(g, node.weight), node.ashape) if _wants(node, 0) else None,
+            _sum_to(C.mul(g, node.weight_b), node.bshape) if _wants(node, 1) else None)
 
 
 # ---- reductions (ops_reduce.pxi) ------------------------------------------------------
@@ -291,9 +290,10 @@ def _amax(node, g):
     if not node.keepdim and node.dims:
         out = np.expand_dims(out, node.dims)
     g = _keepdim(g, node.x.shape, node.dims, node.keepdim)
-    hit = node.x == out
+    hit = C._max_hits(node.x, out, node.evenly)
     count = hit.sum(axis=node.dims, keepdims=True)
-    return (C.where(hit, C.div(g, _const(count, g.dtype)), 0.0),)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (C.mul(C.div(g, _const(count, g.dtype)), _const(hit, g.dtype)),)
 
 
 @register(C.MaxDimBackward)
