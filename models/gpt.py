@@ -115,7 +115,7 @@ class GPT(nn.Module):
             if tuple(targets.shape) != tuple(idx.shape):
                 raise mt.ShapeError(f"targets have shape {tuple(targets.shape)} but idx has "
                                     f"shape {tuple(idx.shape)}")
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1),
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=-1)  # (B*T, vocab) vs (B*T,)
         return logits, loss
 
