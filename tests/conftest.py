@@ -1,7 +1,20 @@
+import os
+
 import numpy as np
 import pytest
 
 import microtensor as mt
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _run_outside_the_source_tree(tmp_path_factory):
+    """Tests (and the `python -c` children they start) run in a scratch directory, not at
+    the repository root: there, in a fresh clone, the unbuilt source folder `microtensor/`
+    would hide the installed package from a child's `import microtensor`."""
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(old)
 
 
 @pytest.fixture(autouse=True)
