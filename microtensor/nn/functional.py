@@ -400,7 +400,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     if needs_graph(inputs):
         node = LayerNormBackward()
         node.x2, node.w1, node.mean, node.rstd = x2, w1, mean, rstd
-        node.x_shape, node.normalized_shape = x.shape, normalized_shape
+        node.x_shape, node.normalized_shape, node.eps = x.shape, normalized_shape, eps
         attach(out, node, inputs)
     return out
 
@@ -445,7 +445,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     if needs_graph(inputs):
         node = RMSNormBackward()
         node.x2, node.w1, node.rstd = x2, w1, rstd
-        node.x_shape, node.normalized_shape = x.shape, normalized_shape
+        node.x_shape, node.normalized_shape, node.eps = x.shape, normalized_shape, eps
         attach(out, node, inputs)
     return out
 
