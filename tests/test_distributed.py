@@ -273,8 +273,10 @@ print("ok")
 def run_python(code, env_extra=None):
     env = child_env(10)
     env.update(env_extra or {})
+    # cwd: this tests folder, never the repository root, where an unbuilt source tree
+    # would hide the installed package from `import microtensor`
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=60, cwd=os.path.dirname(HERE))
+                          env=env, timeout=60, cwd=HERE)
 
 
 def test_single_process_without_mpi():
