@@ -733,7 +733,7 @@ def forward_backward(fn, arrays, upstream_seed=1):
     out = fn(*ts)
     up = np.asarray(np.random.default_rng(upstream_seed).standard_normal(out.shape), np.float64)
     out.backward(mt.tensor(up))
-    return [out.numpy()] + [t.grad.numpy() for t in ts if t.requires_grad], up
+    return [out.numpy()] + [t.grad.numpy() for t in ts if t.grad is not None], up
 
 
 def layer_norm_ref(x, w, b, up, eps=1e-5, rms=False):
@@ -750,19 +750,28 @@ def layer_norm_ref(x, w, b, up, eps=1e-5, rms=False):
 
 
 def check_threaded(threads, fn, arrays, reference, recorder, kernels, position=-1,
-                   rtol=1e-10):
+                   rtol=1e-10, dtype=np.float64):
+    """fn with 1 and with 2 threads (the float inputs cast to dtype): equal to each other
+    and to the float64 reference computed from the same (cast) inputs."""
+    arrays = [a.astype(dtype) if a.dtype.kind == "f" else a for a in arrays]
     serial, up = threads(lambda: forward_backward(fn, arrays), 1)
     threaded, _ = threads(lambda: forward_backward(fn, arrays), 2)
     for kernel in kernels:
         used = recorder.threads(kernel, position)
         assert 1 in used and 2 in used, f"{kernel} ran with threads {used}: path not taken"
-    expected = reference(*arrays, up)
+    expected = reference(*[a.astype(np.float64) if a.dtype.kind == "f" else a for a in arrays], up)
+    f32 = dtype == np.float32
     for i, (a, b, e) in enumerate(zip(serial, threaded, expected)):
-        np.testing.assert_allclose(b, a, rtol=rtol, atol=1e-12, err_msg=f"output {i}: 2 threads vs 1")
-        np.testing.assert_allclose(b, e, rtol=1e-8, atol=1e-10, err_msg=f"output {i}: vs reference")
+        assert b.dtype == dtype
+        # (float32: partial sums added in another order round differently)
+        np.testing.assert_allclose(b, a, rtol=1e-4 if f32 else rtol, atol=1e-4 if f32 else 1e-12,
+                                   err_msg=f"output {i}: 2 threads vs 1")
+        np.testing.assert_allclose(b, e, rtol=2e-3 if f32 else 1e-8, atol=2e-4 if f32 else 1e-10,
+                                   err_msg=f"output {i}: vs reference")
 
 
-def test_layer_norm_threaded_weight_gradient(threads):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_layer_norm_threaded_weight_gradient(threads, dtype):
     # above 2**18 elements (memory-bound threshold) backward keeps one partial dweight /
     # dbias per thread; a sum that kept only the first thread's partial went unseen once
     x = rng.standard_normal((1024, 300))                  # 307,200 elements
@@ -770,17 +779,18 @@ def test_layer_norm_threaded_weight_gradient(threads):
     assert x.size >= F._PARALLEL_MIN_MEMORY_BOUND
     check_threaded(threads, lambda x, w, b: F.layer_norm(x, (300,), w, b), [x, w, b],
                    lambda x, w, b, up: layer_norm_ref(x, w, b, up), threads.fused,
-                   ["layernorm_forward", "layernorm_backward"])
+                   ["layernorm_forward", "layernorm_backward"], dtype=dtype)
     partials = [args[1].shape[0] for n, args, _ in threads.fused.calls if n == "layernorm_backward"]
     assert partials == [1, 2]
 
 
-def test_rms_norm_threaded_weight_gradient(threads):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_rms_norm_threaded_weight_gradient(threads, dtype):
     x = rng.standard_normal((700, 400))
     w = rng.standard_normal(400)
     check_threaded(threads, lambda x, w: F.rms_norm(x, (400,), w, eps=1e-5), [x, w],
                    lambda x, w, up: layer_norm_ref(x, w, None, up, rms=True), threads.fused,
-                   ["rmsnorm_forward", "rmsnorm_backward"])
+                   ["rmsnorm_forward", "rmsnorm_backward"], dtype=dtype)
 
 
 def softmax_ref(x, up, log=False):
@@ -791,14 +801,15 @@ def softmax_ref(x, up, log=False):
     return [y, y * (up - (up * y).sum(-1, keepdims=True))]
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("log", [False, True])
-def test_softmax_threaded(threads, log):
+def test_softmax_threaded(threads, log, dtype):
     x = rng.standard_normal((300, 200))                  # 60,000 >= 2**15
     assert x.size >= F._PARALLEL_MIN
     name = "log_softmax" if log else "softmax"
     check_threaded(threads, lambda x: getattr(F, name)(x, -1), [x],
                    lambda x, up: softmax_ref(x, up, log), threads.fused,
-                   [f"{name}_forward", f"{name}_backward"])
+                   [f"{name}_forward", f"{name}_backward"], dtype=dtype)
 
 
 def elementwise_ref(name, x, up):
@@ -815,16 +826,18 @@ def elementwise_ref(name, x, up):
     return [x * s, up * s * (1 + x * (1 - s))]
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])
-def test_elementwise_threaded(threads, name):
+def test_elementwise_threaded(threads, name, dtype):
     x = rng.standard_normal(50_000) * 3
     fn = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}[name]
     kernel = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu": "silu"}[name]
     check_threaded(threads, fn, [x], lambda x, up: elementwise_ref(name, x, up), threads.fused,
-                   [f"{kernel}_forward", f"{kernel}_backward"])
+                   [f"{kernel}_forward", f"{kernel}_backward"], dtype=dtype)
 
 
-def test_cross_entropy_threaded(threads):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_cross_entropy_threaded(threads, dtype):
     x = rng.standard_normal((400, 100))
     t = rng.integers(0, 100, 400)
     t[::7] = -100                                         # some rows ignored
@@ -837,10 +850,11 @@ def test_cross_entropy_threaded(threads):
         d[np.arange(len(t)), np.where(keep, t, 0)] -= 1
         return [loss, d * keep[:, None] * up / keep.sum()]
     check_threaded(threads, F.cross_entropy, [x, t], ref, threads.fused,
-                   ["crossentropy_forward", "crossentropy_backward"])
+                   ["crossentropy_forward", "crossentropy_backward"], dtype=dtype)
 
 
-def test_embedding_threaded(threads):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_embedding_threaded(threads, dtype):
     # backward splits the columns over threads (repeated ids would race over rows)
     W = rng.standard_normal((50, 64))
     ids = rng.integers(0, 50, 5000)                       # 320,000 >= 2**18, many repeats
@@ -850,7 +864,7 @@ def test_embedding_threaded(threads):
         np.add.at(dW, ids, up)
         return [W[ids], dW]
     check_threaded(threads, lambda i, w: F.embedding(i, w), [ids, W], ref, threads.fused,
-                   ["embedding_forward", "embedding_backward"])
+                   ["embedding_forward", "embedding_backward"], dtype=dtype)
 
 
 def test_dropout_threaded(threads):
@@ -884,8 +898,9 @@ def attention_ref(q, k, v, up, causal=False):
     return [p @ v, ds @ k * scale, np.swapaxes(ds, -1, -2) @ q * scale, dv]
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_threaded(threads, causal):
+def test_attention_threaded(threads, causal, dtype):
     # threads take whole (b, h) pairs above 2**15 multiply-adds; 200 query rows make
     # two row blocks (block = 128, or 64 when causal)
     q = rng.standard_normal((2, 2, 200, 16))
@@ -894,7 +909,7 @@ def test_attention_threaded(threads, causal):
     check_threaded(threads,
                    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                    [q, k, v], lambda q, k, v, up: attention_ref(q, k, v, up, causal),
-                   threads.attention, ["attention_forward"])
+                   threads.attention, ["attention_forward"], dtype=dtype)
     assert sorted(threads.attention.threads("attention_backward", 16)) == [1, 2]
 
 
@@ -919,7 +934,8 @@ def test_gemm_threaded(ta, tb, dtype):
     np.testing.assert_allclose(out, expected + 0.5, rtol=tol, atol=tol)
 
 
-def test_linear_threaded(threads):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_linear_threaded(threads, dtype):
     x = rng.standard_normal((3, 50, 40))
     w = rng.standard_normal((60, 40))
     b = rng.standard_normal(60)
@@ -927,7 +943,7 @@ def test_linear_threaded(threads):
                    lambda x, w, b, up: [x @ w.T + b, up @ w,
                                         up.reshape(-1, 60).T @ x.reshape(-1, 40),
                                         up.reshape(-1, 60).sum(0)],
-                   threads.fused, [], rtol=1e-12)
+                   threads.fused, [], rtol=1e-12, dtype=dtype)
 
 
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, True)])
@@ -1203,3 +1219,43 @@ def test_gemm_takes_read_only_operands():
     v = mt.ones(3, requires_grad=True)
     (x @ v.expand(3)).sum().backward()
     np.testing.assert_array_equal(v.grad.numpy(), 1)
+
+
+def test_baseline_and_avx2_builds_agree(monkeypatch):
+    # the kernels are compiled twice (baseline and AVX2+FMA, chosen at import): the build
+    # not chosen on this CPU runs here too, threaded, against the one that is
+    from microtensor import _fused, _fused_attention
+    if F._fused is _fused:
+        pytest.skip("this CPU runs the baseline build only (no AVX2+FMA)")
+    x = rng.standard_normal((300, 257)).astype(np.float32)
+    w, b = rng.standard_normal(257).astype(np.float32), rng.standard_normal(257).astype(np.float32)
+    t = rng.integers(0, 257, 300)
+    q = rng.standard_normal((2, 2, 70, 16)).astype(np.float32)
+    programs = [lambda x, w, b: F.layer_norm(x, (257,), w, b), lambda x, w, b: F.rms_norm(x, (257,), w),
+                lambda x, w, b: F.gelu(x), lambda x, w, b: F.gelu(x, approximate="tanh"),
+                lambda x, w, b: F.silu(x), lambda x, w, b: F.softmax(x, -1),
+                lambda x, w, b: F.log_softmax(x, 0), lambda x, w, b: F.cross_entropy(x, mt.tensor(t)),
+                lambda x, w, b: F.embedding(mt.tensor(t), x)]
+    attention = [lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                 lambda q: F.scaled_dot_product_attention(q, q * 0.5, q)]
+
+    def run_all():
+        outs = []
+        for fn in programs:
+            outs.append(forward_backward(fn, [x, w, b]))
+        for fn in attention:
+            outs.append(forward_backward(fn, [q]))
+        return outs
+
+    before = mt.get_num_threads()
+    mt.set_num_threads(2)
+    try:
+        chosen = run_all()
+        monkeypatch.setattr(F, "_fused", _fused)
+        monkeypatch.setattr(F, "_attention", _fused_attention)
+        baseline = run_all()
+    finally:
+        mt.set_num_threads(before)
+    for k, ((a, _), (c, _)) in enumerate(zip(chosen, baseline)):
+        for i, (u, v) in enumerate(zip(a, c)):
+            np.testing.assert_allclose(u, v, rtol=2e-4, atol=2e-5, err_msg=f"program {k}, output {i}")
