@@ -518,7 +518,9 @@ SETTINGS = dict(deadline=None, derandomize=False,
                                        HealthCheck.filter_too_much])
 
 
-@settings(max_examples=CI_EXAMPLES, **SETTINGS)
+# the CI run draws the same programs every time (a failure there is reproducible); the
+# long run below draws new ones
+@settings(max_examples=CI_EXAMPLES, **dict(SETTINGS, derandomize=True))
 @given(data=st.data())
 def test_random_programs_match_torch(data):
     fuzz(data)
