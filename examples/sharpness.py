@@ -323,8 +323,8 @@ def parse_args(argv=None):
         description="The largest Hessian eigenvalue of the training loss during full-batch "
                     "gradient descent, at several learning rates, against 2/lr (the edge of "
                     "stability): tables on stdout, pictures in --out. Takes about "
-                    f"{_cli.minutes(FULL_RUN_SECONDS)} on one CPU core, --quick about "
-                    f"{_cli.minutes(QUICK_RUN_SECONDS)}.")
+                    f"{_cli.minutes(FULL_RUN_SECONDS)} on one CPU core (about "
+                    f"{_cli.minutes(QUICK_RUN_SECONDS)} with --quick).")
     parser.add_argument("--out", default=d["out"], help="directory for the PNGs, created if "
                         f"needed (default: {d['out']}/ in the working directory)")
     parser.add_argument("--quick", action="store_true",

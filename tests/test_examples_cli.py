@@ -63,6 +63,15 @@ def corpus(tmp_path_factory):
 # (script, the bad flags, what the error line must name). Each runs after a prefix of
 # good flags (below) that keeps the run tiny should a bad flag ever get through.
 BAD_FLAGS = [
+    ("sharpness.py", ["--mlp_lrs", "-0.1"], "--mlp_lrs"),
+    ("sharpness.py", ["--mlp_steps", "0"], "--mlp_steps"),
+    ("sharpness.py", ["--power_iters", "0"], "--power_iters"),
+    ("sharpness.py", ["--skip", "cnn"], "--skip"),
+    ("sharpness.py", ["--seed", "-1"], "--seed"),
+    ("double_backprop.py", ["--penalty", "-1"], "--penalty"),
+    ("double_backprop.py", ["--steps", "0"], "--steps"),
+    ("double_backprop.py", ["--lr", "nan"], "--lr"),
+    ("double_backprop.py", ["--hidden", "0"], "--hidden"),
     ("train_char.py", ["--lr", "-1"], "--lr"),
     ("train_char.py", ["--lr", "0"], "--lr"),
     ("train_char.py", ["--lr", "nan"], "--lr"),
@@ -133,6 +142,8 @@ SAFE_PREFIX = {
     "residual_flow.py": ["--quick", "--skip", "depth", "training"],
     "graph.py": [],
     "gradcheck_layers.py": ["-k", "sinusoidal"],
+    "sharpness.py": ["--quick"],
+    "double_backprop.py": ["--steps", "1"],
 }
 
 
@@ -146,7 +157,7 @@ def bad_flag_runs(tmp_path_factory):
         argv = SAFE_PREFIX[script] + flags
         if script in ("train_char.py", "sample.py"):
             argv += ["--out_dir", str(folder / "out")]
-        if script in ("residual_flow.py", "graph.py"):
+        if script in ("residual_flow.py", "graph.py", "sharpness.py"):
             argv += ["--out", str(folder / "out")]
         return run(script, *argv, cwd=str(folder)), folder
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -182,7 +193,7 @@ def test_bad_paths_are_one_line_errors(tmp_path, corpus):
 
 
 EXAMPLE_SCRIPTS = ["train_char.py", "sample.py", "train_seq2seq.py", "residual_flow.py",
-                   "graph.py", "gradcheck_layers.py"]
+                   "graph.py", "gradcheck_layers.py", "sharpness.py", "double_backprop.py"]
 
 
 @pytest.mark.parametrize("script", EXAMPLE_SCRIPTS)
