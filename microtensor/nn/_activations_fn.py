@@ -1,0 +1,157 @@
+"""F's activations: relu, sigmoid and tanh (the core's ops under torch's names),
+softmax and log_softmax along any dim, gelu (exact or tanh) and silu; the last four
+are one fused node each, the Backward node right above its forward function.
+The kernels are read from `F._fused` at call time: F holds the build chosen when it
+was imported (and a test may swap it there).
+"""
+import numpy as np
+
+import microtensor._core as _core
+from microtensor._core import Node, wrap, needs_graph, attach
+from microtensor.nn import functional as F
+from microtensor.nn._functional_common import (
+    declare_saved, _float_array, _contig, _grad_as, _threads,
+)
+
+
+# ---- activations -----------------------------------------------------------------
+
+def relu(x, inplace=False):
+    """y = max(x, 0)"""
+    return _core.relu(x)
+
+
+def sigmoid(x):
+    """y = 1 / (1 + e^-x)"""
+    return _core.sigmoid(x)
+
+
+def tanh(x):
+    """y = tanh(x)"""
+    return _core.tanh(x)
+
+
+class SoftmaxBackward(Node):
+    """y = softmax(x);  dx = y * (g - sum(g * y))   (kernel: softmax_backward)"""
+
+    def backward(self, g):
+        return (_rows_backward(self, g, F._fused.softmax_backward),)
+
+
+declare_saved(SoftmaxBackward, output=True)
+
+
+class LogSoftmaxBackward(Node):
+    """y = log_softmax(x);  dx = g - exp(y) * sum(g)   (kernel: log_softmax_backward)"""
+
+    def backward(self, g):
+        return (_rows_backward(self, g, F._fused.log_softmax_backward),)
+
+
+declare_saved(LogSoftmaxBackward, output=True)
+
+
+def _rows_backward(node, g, kernel):
+    y = node.out                                         # (R, N), the forward's rows
+    g2 = _grad_as(np.moveaxis(np.asarray(g), node.dim, -1), node.moved_shape, y.dtype)
+    dinp = np.empty_like(y)
+    if y.size:
+        kernel(dinp, g2.reshape(y.shape), y, _threads(y.size))
+    return np.moveaxis(dinp.reshape(node.moved_shape), -1, node.dim)
+
+
+def _softmax_like(input, dim, dtype, log):
+    if dim is None:
+        raise TypeError("softmax() needs dim (which dimension to normalise over)")
+    if dtype is not None:
+        input = input.to(dtype)
+    x = _float_array(input, "log_softmax input" if log else "softmax input")
+    nd = max(x.ndim, 1)                                  # a 0-d tensor takes dim 0 or -1
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not -nd <= dim < nd:
+        raise IndexError(f"Dimension out of range (expected to be in range of "
+                         f"[{-nd}, {nd - 1}], but got {dim})")
+    if x.ndim == 0:                                      # as one row of one: 1 (log: 0), as torch
+        return _softmax_like(input.reshape(1), 0, None, log).reshape(())
+    dim = int(dim) % x.ndim
+    moved = _contig(np.moveaxis(x, dim, -1))             # (..., N), a view when dim is last
+    rows = moved.reshape(-1, moved.shape[-1]) if moved.size else moved.reshape(0, 0)
+    out = np.empty_like(rows)
+    if rows.size:
+        kernel = F._fused.log_softmax_forward if log else F._fused.softmax_forward
+        kernel(out, rows, _threads(rows.size))
+    # NOTE: contiguous, as torch's result (so that .view works on it); a copy only when
+    # dim is not the last one
+    res = wrap(np.ascontiguousarray(np.moveaxis(out.reshape(moved.shape), -1, dim)))
+    if needs_graph((input,)):
+        node = LogSoftmaxBackward() if log else SoftmaxBackward()
+        node.out, node.dim, node.moved_shape = out, dim, moved.shape
+        attach(res, node, (input,))
+    return res
+
+
+def softmax(input, dim=None, dtype=None):
+    """y = exp(x) / sum(exp(x)) along dim (computed stably)"""
+    return _softmax_like(input, dim, dtype, False)
+
+
+def log_softmax(input, dim=None, dtype=None):
+    """y = x - logsumexp(x) along dim"""
+    return _softmax_like(input, dim, dtype, True)
+
+
+class GeluBackward(Node):
+    """y = x * Phi(x);  dx = g * (Phi(x) + x * phi(x))   (tanh form: see gelu_tanh_backward)"""
+
+    def backward(self, g):
+        x = self.x
+        g = _grad_as(g, x.shape, x.dtype)
+        dinp = np.empty_like(x)
+        kernel = F._fused.gelu_tanh_backward if self.approximate == "tanh" else F._fused.gelu_backward
+        kernel(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
+        return (dinp,)
+
+
+declare_saved(GeluBackward, 0)
+
+
+def gelu(input, approximate="none"):
+    """y = x * Phi(x) (exact, erf) or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    x = _contig(_float_array(input, "gelu input"))
+    out = np.empty_like(x)
+    kernel = F._fused.gelu_tanh_forward if approximate == "tanh" else F._fused.gelu_forward
+    kernel(out.reshape(-1), x.reshape(-1), _threads(x.size))
+    out = wrap(out)
+    if needs_graph((input,)):
+        node = GeluBackward()
+        node.x, node.approximate = x, approximate
+        attach(out, node, (input,))
+    return out
+
+
+class SiluBackward(Node):
+    """y = x * s(x);  dx = g * s * (1 + x * (1 - s))"""
+
+    def backward(self, g):
+        x = self.x
+        g = _grad_as(g, x.shape, x.dtype)
+        dinp = np.empty_like(x)
+        F._fused.silu_backward(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
+        return (dinp,)
+
+
+declare_saved(SiluBackward, 0)
+
+
+def silu(input, inplace=False):
+    """y = x * sigmoid(x)"""
+    x = _contig(_float_array(input, "silu input"))
+    out = np.empty_like(x)
+    F._fused.silu_forward(out.reshape(-1), x.reshape(-1), _threads(x.size))
+    out = wrap(out)
+    if needs_graph((input,)):
+        node = SiluBackward()
+        node.x = x
+        attach(out, node, (input,))
+    return out

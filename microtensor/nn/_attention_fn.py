@@ -1,0 +1,178 @@
+"""F.scaled_dot_product_attention: one fused node over blocks of query rows, with a
+bool or float mask (broadcast over batch dims without being expanded), is_causal,
+dropout and a custom scale; the Backward node sits right above the forward function.
+The kernels are read from `F._attention` at call time: F holds the build chosen when
+it was imported (and a test may swap it there).
+"""
+import math
+
+import numpy as np
+
+import microtensor._core as _core
+from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.nn import functional as F
+from microtensor.nn._functional_common import (
+    DtypeError, declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads,
+    _wants_grad, _unbroadcast,
+)
+
+
+# ---- attention -------------------------------------------------------------------
+
+# Query rows per block (one (block, Tk) buffer of scores per thread). Small blocks trim
+# more of the causal triangle; larger ones make fewer, more efficient gemms. Measured at
+# T = 64 and 256: 64 rows is best with is_causal, 128 without.
+_ATTENTION_BLOCK_CAUSAL = 64
+_ATTENTION_BLOCK = 128
+
+
+def _attention_mask(attn_mask, Tq, Tk, dtype):
+    """attn_mask as an additive float array (0 = attend, -inf = masked), at least 2-D."""
+    m = attn_mask._data if isinstance(attn_mask, Tensor) else np.asarray(attn_mask)
+    if m.dtype == np.bool_:
+        m = np.where(m, dtype.type(0), dtype.type(-np.inf))
+    elif m.dtype.kind == "f":
+        m = m.astype(dtype, copy=False)
+    else:
+        raise DtypeError(f"scaled_dot_product_attention: attn_mask must be bool (True = attend) "
+                        f"or float (added to the scores), got dtype {m.dtype}")
+    if m.ndim < 2:
+        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
+    if m.shape[-2] not in (1, Tq) or m.shape[-1] not in (1, Tk):
+        raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {m.shape} cannot be "
+                         f"broadcast to the scores' shape (..., {Tq}, {Tk})")
+    return m
+
+
+def _mask_slabs(m, batch, Tq, Tk):
+    """An additive mask broadcastable to batch + (Tq, Tk) as contiguous slabs (NM, Tq, Tk)
+    plus the slab index of each flattened batch entry (BH,), without expanding the mask
+    over batch dims it is broadcast along (a (B, 1, 1, Tk) padding mask stays B slabs)."""
+    mb = m.shape[:-2]
+    if len(mb) > len(batch) or np.broadcast_shapes(mb, batch) != tuple(batch):
+        raise ShapeError(f"scaled_dot_product_attention: attn_mask shape {m.shape} cannot be "
+                         f"broadcast to the scores' shape {tuple(batch) + (Tq, Tk)}")
+    slabs = np.ascontiguousarray(np.broadcast_to(m, mb + (Tq, Tk))).reshape(-1, Tq, Tk)
+    mb = (1,) * (len(batch) - len(mb)) + mb
+    index = np.broadcast_to(np.arange(slabs.shape[0], dtype=np.int64).reshape(mb), batch)
+    return slabs, np.ascontiguousarray(index).reshape(-1)
+
+
+class AttentionBackward(Node):
+    """o = P @ v,  P = softmax(scale * q @ k^T + mask);
+    dv = P^T @ g,  dP = g @ v^T,  dS = P * (dP - rowsum(dP * P)),
+    dq = scale * dS @ k,  dk = scale * dS^T @ q,  dmask = dS   (kernel: attention_backward)"""
+
+    def backward(self, g):
+        q, k, v = self.q, self.k, self.v                 # (BH, Tq, hs), (BH, Tk, hs), (BH, Tk, hv)
+        dout = _grad_as(g, (q.shape[0], q.shape[1], v.shape[2]), q.dtype)   # (BH, Tq, hv)
+        dq = np.zeros_like(q)
+        dk = np.zeros_like(k)
+        dv = np.zeros_like(v)
+        want_dmask = len(self.inputs) > 3 and _wants_grad(self, 3)
+        # NOTE: the mask's gradient is the whole (BH, Tq, Tk) matrix of dS; it exists only
+        # when a float mask requires grad (a learned bias), never on the usual path
+        dmask = np.zeros((q.shape[0], q.shape[1], k.shape[1]), q.dtype) if want_dmask else None
+        if dout.size and k.shape[1]:
+            scale, dq_k, dk_k = self.scale, dq, dk
+            if q.shape[2] == 0:                          # empty dot products (see forward):
+                q = np.zeros(q.shape[:2] + (1,), q.dtype)   # one zero column, scale 0,
+                k = np.zeros(k.shape[:2] + (1,), k.dtype)   # dq and dk stay empty
+                scale, dq_k, dk_k = 0.0, np.zeros_like(q), np.zeros_like(k)
+            F._attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.lse, self.slabs,
+                                          self.index, self.has_mask, self.is_causal, scale,
+                                          self.dropout_p, self.seed, self.block,
+                                          min(_threads(q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2]),
+                                              q.shape[0]), dmask)
+        grads = []
+        for d, shape in zip((dq, dk, dv), self.shapes):
+            grads.append(_unbroadcast(d.reshape(self.batch + d.shape[1:]), shape))
+        if len(self.inputs) > 3:
+            if want_dmask:                               # (BH, Tq, Tk) -> the mask's own shape
+                m2 = self.mask_shape_2d
+                d = _unbroadcast(dmask.reshape(self.batch + dmask.shape[1:]), m2)
+                grads.append(d.reshape(self.mask_shape).astype(self.mask_dtype, copy=False))
+            else:
+                grads.append(None)
+        return tuple(grads)
+
+
+declare_saved(AttentionBackward, 0, 1, 2, 3)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """o = softmax(q @ k^T * scale + mask) @ v   (q (..., Tq, hs), k (..., Tk, hs), v (..., Tk, hv))
+
+    attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
+    (..., Tq, Tk). is_causal: query i sees keys 0..i (top-left aligned, as torch).
+    scale defaults to 1/sqrt(hs). A row with every key masked outputs zeros."""
+    q = _float_array(query, "scaled_dot_product_attention query")
+    k = _float_array(key, "scaled_dot_product_attention key")
+    v = _float_array(value, "scaled_dot_product_attention value")
+    _same_dtype("scaled_dot_product_attention", query=q, key=k, value=v)
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise ShapeError(f"scaled_dot_product_attention: query, key and value need at least 2 "
+                         f"dims (..., T, head_dim), got shapes {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ShapeError(f"scaled_dot_product_attention: query {q.shape}, key {k.shape} and value "
+                         f"{v.shape} do not fit (q and k must share head_dim, k and v the "
+                         "sequence length)")
+    try:
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ShapeError(f"scaled_dot_product_attention: batch dims of query {q.shape}, key "
+                         f"{k.shape} and value {v.shape} cannot be broadcast together") from None
+    if isinstance(dropout_p, bool) or not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
+    if is_causal and attn_mask is not None:
+        # torch raises RuntimeError here too
+        raise RuntimeError("scaled_dot_product_attention: an explicit attn_mask should not be "
+                           "set when is_causal=True (pass one or the other, not both)")
+    Tq, hs = q.shape[-2], q.shape[-1]
+    Tk, hv = k.shape[-2], v.shape[-1]
+    scale = (1.0 / math.sqrt(hs) if hs else math.inf) if scale is None else float(scale)
+    if attn_mask is not None:
+        m2 = _attention_mask(attn_mask, Tq, Tk, q.dtype)
+        slabs, index = _mask_slabs(m2, batch, Tq, Tk)
+    else:
+        slabs, index = np.zeros((1, 1, 1), q.dtype), np.zeros(1, np.int64)
+    BH = int(np.prod(batch))
+
+    def flat(a, T, d):                                   # (..., T, d) -> (BH, T, d), contiguous
+        return _contig(np.broadcast_to(a, batch + (T, d))).reshape(BH, T, d)
+
+    q3, k3, v3 = flat(q, Tq, hs), flat(k, Tk, hs), flat(v, Tk, hv)
+    out3 = np.empty((BH, Tq, hv), q.dtype)
+    lse = np.empty((BH, Tq), q.dtype)
+    seed = int(_core.default_generator().integers(0, 2 ** 63)) if dropout_p > 0 else 0
+    block = _ATTENTION_BLOCK_CAUSAL if is_causal else _ATTENTION_BLOCK
+    if out3.size == 0 or Tk == 0:
+        out3[...] = 0                                    # nothing to attend to
+        lse[...] = np.inf
+    elif hs == 0:
+        # an empty dot product: every score is 0 (plus the mask), as torch computes it;
+        # the kernel runs on one zero column with scale 0 (no 0 * inf from 1/sqrt(0))
+        F._attention.attention_forward(out3, lse, np.zeros((BH, Tq, 1), q.dtype),
+                                     np.zeros((BH, Tk, 1), q.dtype), v3, slabs, index,
+                                     attn_mask is not None, bool(is_causal), 0.0,
+                                     float(dropout_p), seed, block, 1)
+    else:
+        F._attention.attention_forward(out3, lse, q3, k3, v3, slabs, index, attn_mask is not None,
+                                     bool(is_causal), scale, float(dropout_p), seed,
+                                     block, min(_threads(BH * Tq * Tk * hs), BH))
+    out = wrap(out3.reshape(batch + (Tq, hv)))
+    # a float mask tensor is an input: it may take a gradient, and its slabs may be views
+    # of it that backward reads (a bool mask is turned into a private array)
+    mask_input = isinstance(attn_mask, Tensor) and attn_mask.dtype != np.bool_
+    inputs = (query, key, value, attn_mask) if mask_input else (query, key, value)
+    if needs_graph(inputs):
+        node = AttentionBackward()
+        node.q, node.k, node.v, node.lse = q3, k3, v3, lse
+        node.slabs, node.index, node.has_mask = slabs, index, attn_mask is not None
+        node.is_causal, node.scale, node.dropout_p, node.seed = bool(is_causal), scale, float(dropout_p), seed
+        node.batch, node.shapes, node.block = tuple(batch), (q.shape, k.shape, v.shape), block
+        if mask_input:
+            node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
+        attach(out, node, inputs)
+    return out

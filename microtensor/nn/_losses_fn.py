@@ -1,0 +1,197 @@
+"""F's losses: cross_entropy (one fused node, torch's logits/target layouts plus
+class dim last), nll_loss (from differentiable ops) and mse_loss (one node), the
+Backward node right above its forward function.
+The kernels are read from `F._fused` at call time: F holds the build chosen when it
+was imported (and a test may swap it there).
+"""
+import numpy as np
+
+from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.nn import functional as F
+from microtensor.nn._functional_common import (
+    DtypeError, declare_saved, _tensor, _float_array, _contig, _owned_indices, _threads,
+    _wants_grad, _check_reduction, _unbroadcast,
+)
+
+
+# ---- losses ----------------------------------------------------------------------
+
+def _ce_rows(x, t, op):
+    """Logits and targets as (M, C) rows and (M,) targets, following torch's layouts:
+    (C,) with (); (N, C) with (N,); (N, C, d1, ...) with (N, d1, ...) (class dim second).
+    Also accepted: (..., C) with (...) (class dim last, e.g. (B, T, V) with (B, T));
+    when both readings fit, torch's (class dim second) wins. Returns (rows, targets,
+    out_shape, how) where `how` says how to map row gradients back."""
+    if x.ndim == 0:
+        raise ShapeError(f"{op}: input must have a class dimension, got shape {x.shape}")
+    if x.ndim == 1:
+        if t.shape != ():
+            raise ShapeError(f"{op}: input shape {x.shape} needs a 0-d target, got target "
+                             f"shape {t.shape}")
+        return x.reshape(1, -1), t.reshape(1), (), "last"
+    if x.ndim == 2 or t.shape == (x.shape[0],) + x.shape[2:]:
+        if t.shape != (x.shape[0],) + x.shape[2:]:
+            raise ShapeError(f"{op}: input shape {x.shape} and target shape {t.shape} do not "
+                             f"fit (expected target shape {(x.shape[0],) + x.shape[2:]})")
+        if x.ndim == 2:
+            return x, t, t.shape, "last"
+        rows = np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])
+        return rows, t.reshape(-1), t.shape, "second"
+    if t.shape == x.shape[:-1]:
+        return x.reshape(-1, x.shape[-1]), t.reshape(-1), t.shape, "last"
+    raise ShapeError(f"{op}: input shape {x.shape} and target shape {t.shape} do not fit "
+                     f"(expected target shape {(x.shape[0],) + x.shape[2:]}, class dim second, "
+                     f"or {x.shape[:-1]}, class dim last)")
+
+
+class CrossEntropyBackward(Node):
+    """loss_i = logsumexp(x_i) - x_i[t_i];  dx_i = g_i * (softmax(x_i) - onehot(t_i)),
+    g_i = 0 on ignored rows, divided by the number of counted rows for 'mean'
+    (kernel: crossentropy_backward, which recomputes softmax from the saved logsumexp)"""
+
+    def backward(self, g):
+        rows = self.rows                                 # (M, C)
+        M, C = rows.shape
+        if self.reduction == "none":
+            dlosses = np.ascontiguousarray(np.broadcast_to(g, self.out_shape), dtype=rows.dtype).reshape(-1)
+        else:
+            # (with every target ignored nothing flows back: the kernel zeroes those rows)
+            scale = float(g) / max(self.count, 1) if self.reduction == "mean" else float(g)
+            dlosses = np.full(M, scale, dtype=rows.dtype)
+        dlogits = np.empty_like(rows)
+        if rows.size:
+            F._fused.crossentropy_backward(dlogits, dlosses, rows, self.lse, self.tgt,
+                                         self.ignore_index, self.label_smoothing,
+                                         _threads(rows.size))
+        if self.how == "second":                         # (N*d, C) -> (N, C, d...)
+            x_shape = self.x_shape
+            dlogits = np.moveaxis(dlogits.reshape((x_shape[0],) + x_shape[2:] + (x_shape[1],)), -1, 1)
+        return (dlogits.reshape(self.x_shape), None)
+
+
+declare_saved(CrossEntropyBackward, 0)
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
+                  label_smoothing=0.0):
+    """loss = -log softmax(x)[target], averaged over the targets that are not ignore_index
+
+    Layouts as torch: logits (N, C) with target (N,), (C,) with (), (N, C, d...) with
+    (N, d...); also (..., C) with (...) (e.g. (B, T, V) logits with (B, T) targets)."""
+    x = _float_array(input, "cross_entropy input")
+    if weight is not None:
+        raise NotImplementedError("cross_entropy: class weights are not supported")
+    _check_reduction(reduction)
+    if not (0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    t = target._data if isinstance(target, Tensor) else np.asarray(target)
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: target must be an integer (int64) tensor of class "
+                        f"indices, got dtype {t.dtype}")
+    rows, tgt, out_shape, how = _ce_rows(x, t, "cross_entropy")
+    rows = _contig(rows)                                 # (M, C)
+    tgt = _owned_indices(tgt)                            # (M,), checked below, kept for backward
+    M, C = rows.shape
+    keep = tgt != ignore_index
+    bad = keep & ((tgt < 0) | (tgt >= C))
+    if bad.any():
+        v = int(tgt[np.argmax(bad)])
+        raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
+                         f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
+    losses = np.empty(M, x.dtype)
+    lse = np.empty(M, x.dtype)
+    if rows.size:
+        F._fused.crossentropy_forward(losses, lse, rows, tgt, int(ignore_index),
+                                    float(label_smoothing), _threads(rows.size))
+    else:
+        losses[:] = 0
+    count = int(keep.sum())
+    if reduction == "none":
+        out = losses.reshape(out_shape)
+    elif reduction == "sum":
+        out = np.asarray(losses.sum(dtype=np.float64), dtype=x.dtype)
+    else:
+        with np.errstate(invalid="ignore", divide="ignore"):   # all ignored: nan, as torch
+            out = np.asarray(losses.sum(dtype=np.float64) / count, dtype=x.dtype)
+    out = wrap(out)
+    if needs_graph((input,)):
+        node = CrossEntropyBackward()
+        node.rows, node.tgt, node.lse = rows, tgt, lse
+        node.reduction, node.count, node.how = reduction, count, how
+        node.x_shape, node.out_shape = x.shape, out_shape
+        node.ignore_index, node.label_smoothing = int(ignore_index), float(label_smoothing)
+        attach(out, node, (input, None))
+    return out
+
+
+def nll_loss(input, target, ignore_index=-100, reduction="mean"):
+    """loss = -input[target]  (input holds log-probabilities)"""
+    logp = _tensor(input, "nll_loss input")
+    _check_reduction(reduction)
+    t = target._data if isinstance(target, Tensor) else np.asarray(target)
+    if t.dtype.kind not in "iu":
+        raise DtypeError(f"nll_loss: target must be an integer (int64) tensor of class "
+                        f"indices, got dtype {t.dtype}")
+    t = np.array(t, dtype=np.int64, copy=True)          # private: checked once, then used
+    if logp.ndim != 2 or t.shape != (logp.shape[0],):
+        raise ShapeError(f"nll_loss: input shape {logp.shape} and target shape {t.shape} do "
+                         "not fit (expected (N, C) and (N,))")
+    C = logp.shape[1]
+    keep = t != ignore_index
+    bad = keep & ((t < 0) | (t >= C))
+    if bad.any():
+        raise IndexError(f"nll_loss: target {int(t[np.argmax(bad)])} is out of bounds for {C} classes")
+    safe = np.where(keep, t, 0).astype(np.int64)
+    picked = logp[np.arange(len(t)), safe] * wrap(keep.astype(logp.dtype))
+    if reduction == "none":
+        return -picked
+    if reduction == "sum":
+        return -picked.sum()
+    return -picked.sum() / float(keep.sum())
+
+
+class MSELossBackward(Node):
+    """loss = reduce((x - y)^2);  dx = 2 (x - y) g / n,  dy = -dx"""
+
+    def backward(self, g):
+        diff = self.diff
+        # NOTE: np.asarray throughout: numpy turns 0-d results into scalars
+        if self.reduction == "none":
+            d = np.asarray(2 * diff * g)
+        else:
+            # (an empty input has an empty gradient: no division by its size of 0)
+            scale = 2 * float(g) / (max(diff.size, 1) if self.reduction == "mean" else 1)
+            d = np.asarray(diff * scale)
+        d = d.astype(diff.dtype, copy=False)
+        da = _unbroadcast(d, self.a_shape) if _wants_grad(self, 0) else None
+        db = np.asarray(0 - _unbroadcast(d, self.b_shape)) if _wants_grad(self, 1) else None
+        return (da, db)
+
+
+declare_saved(MSELossBackward, 0, 1)
+
+
+def mse_loss(input, target, reduction="mean"):
+    """loss = mean((input - target)^2)  (or sum, or elementwise with 'none')"""
+    a = _float_array(input, "mse_loss input")
+    b = _float_array(target, "mse_loss target")
+    _check_reduction(reduction)
+    try:
+        diff = np.asarray(a - b)                        # (an array also when 0-d)
+    except ValueError:
+        raise ShapeError(f"mse_loss: input shape {a.shape} and target shape {b.shape} cannot "
+                         "be broadcast together") from None
+    if reduction == "none":
+        out = np.asarray(diff * diff)
+    elif reduction == "sum":
+        out = np.asarray(np.sum(diff * diff), dtype=diff.dtype)
+    else:
+        with np.errstate(invalid="ignore", divide="ignore"):   # empty: NaN, as torch
+            out = np.asarray(np.mean(diff * diff) if diff.size else np.nan, dtype=diff.dtype)
+    out = wrap(out)
+    inputs = (input, target)
+    if needs_graph(inputs):
+        node = MSELossBackward()
+        node.diff, node.reduction, node.a_shape, node.b_shape = diff, reduction, a.shape, b.shape
+        attach(out, node, inputs)
+    return out

@@ -1,0 +1,138 @@
+"""F's normalisation ops, layer_norm and rms_norm over the trailing
+`normalized_shape` dims: one fused node each (forward and backward kernels over rows),
+the Backward node right above its forward function.
+The kernels are read from `F._fused` at call time: F holds the build chosen when it
+was imported (and a test may swap it there).
+"""
+import math
+
+import numpy as np
+
+from microtensor._core import Node, wrap, needs_graph, attach, ShapeError
+from microtensor.nn import functional as F
+from microtensor.nn._functional_common import (
+    declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads, _wants_grad,
+)
+
+
+# ---- normalisation ---------------------------------------------------------------
+
+def _norm_rows(x, normalized_shape, op):
+    if isinstance(normalized_shape, (int, np.integer)):
+        normalized_shape = (int(normalized_shape),)
+    normalized_shape = tuple(int(s) for s in normalized_shape)
+    k = len(normalized_shape)
+    if k == 0 or x.ndim < k or x.shape[x.ndim - k:] != normalized_shape:
+        raise ShapeError(f"{op}: input shape {x.shape} does not end with normalized_shape "
+                         f"{normalized_shape}")
+    n = int(np.prod(normalized_shape))
+    return normalized_shape, n
+
+
+def _check_affine(p, normalized_shape, op, what):
+    if p is not None and p.shape != normalized_shape:
+        raise ShapeError(f"{op}: {what} shape {p.shape} does not match normalized_shape "
+                         f"{normalized_shape}")
+
+
+def _partials(R, n, dtype):
+    """Per-thread partial sums for dweight / dbias: one row per chunk of input rows."""
+    chunks = _threads(R * n, memory_bound=True)
+    return np.zeros((chunks, n), dtype=dtype)
+
+
+class LayerNormBackward(Node):
+    """y = (x - mean) * rstd * w + b;
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = g * w,
+    dw = sum_rows(g * xhat),  db = sum_rows(g)     (kernel: layernorm_backward)"""
+
+    def backward(self, g):
+        x2 = self.x2                                     # (R, n)
+        R, n = x2.shape
+        g2 = _grad_as(g, x2.shape, x2.dtype)
+        dinp = np.empty_like(x2)
+        dweight = _partials(R, n, x2.dtype)
+        dbias = np.zeros_like(dweight)
+        if x2.size:
+            F._fused.layernorm_backward(dinp, dweight, dbias, g2, x2, self.w1, self.mean,
+                                      self.rstd, dweight.shape[0])
+        dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
+        dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
+        db = dbias.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 2) else None
+        return (dx, dw, db)
+
+
+declare_saved(LayerNormBackward, 0, 1)
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * w + b   over the last len(normalized_shape) dims"""
+    x = _float_array(input, "layer_norm input")
+    w = None if weight is None else _float_array(weight, "layer_norm weight")
+    b = None if bias is None else _float_array(bias, "layer_norm bias")
+    _same_dtype("layer_norm", input=x, weight=w, bias=b)
+    normalized_shape, n = _norm_rows(x, normalized_shape, "layer_norm")
+    _check_affine(w, normalized_shape, "layer_norm", "weight")
+    _check_affine(b, normalized_shape, "layer_norm", "bias")
+    R = math.prod(x.shape[:x.ndim - len(normalized_shape)])
+    x2 = _contig(x).reshape(R, n)                        # (R, n)
+    w1 = np.ones(n, x.dtype) if w is None else _contig(w).reshape(-1)
+    b1 = np.zeros(n, x.dtype) if b is None else _contig(b).reshape(-1)
+    out = np.empty_like(x2)
+    mean = np.empty(R, x.dtype)
+    rstd = np.empty(R, x.dtype)
+    if x2.size:
+        F._fused.layernorm_forward(out, mean, rstd, x2, w1, b1, float(eps), _threads(x2.size, memory_bound=True))
+    out = wrap(out.reshape(x.shape))
+    inputs = (input, weight, bias)
+    if needs_graph(inputs):
+        node = LayerNormBackward()
+        node.x2, node.w1, node.mean, node.rstd = x2, w1, mean, rstd
+        node.x_shape, node.normalized_shape, node.eps = x.shape, normalized_shape, eps
+        attach(out, node, inputs)
+    return out
+
+
+class RMSNormBackward(Node):
+    """y = x * rstd * w,  rstd = 1/sqrt(mean(x^2) + eps);
+    dx = rstd * (dxhat - xhat * mean(dxhat * xhat)),  dxhat = g * w,  dw = sum_rows(g * xhat)"""
+
+    def backward(self, g):
+        x2 = self.x2
+        R, n = x2.shape
+        g2 = _grad_as(g, x2.shape, x2.dtype)
+        dinp = np.empty_like(x2)
+        dweight = _partials(R, n, x2.dtype)
+        if x2.size:
+            F._fused.rmsnorm_backward(dinp, dweight, g2, x2, self.w1, self.rstd, dweight.shape[0])
+        dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
+        dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
+        return (dx, dw)
+
+
+declare_saved(RMSNormBackward, 0, 1)
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """y = x / sqrt(mean(x^2) + eps) * w   (eps=None: the dtype's machine epsilon, as torch)"""
+    x = _float_array(input, "rms_norm input")
+    w = None if weight is None else _float_array(weight, "rms_norm weight")
+    _same_dtype("rms_norm", input=x, weight=w)
+    normalized_shape, n = _norm_rows(x, normalized_shape, "rms_norm")
+    _check_affine(w, normalized_shape, "rms_norm", "weight")
+    if eps is None:
+        eps = float(np.finfo(x.dtype).eps)
+    x2 = _contig(x).reshape(math.prod(x.shape[:x.ndim - len(normalized_shape)]), n)   # (R, n)
+    w1 = np.ones(n, x.dtype) if w is None else _contig(w).reshape(-1)
+    out = np.empty_like(x2)
+    rstd = np.empty(x2.shape[0], x.dtype)
+    if x2.size:
+        F._fused.rmsnorm_forward(out, rstd, x2, w1, float(eps), _threads(x2.size, memory_bound=True))
+    out = wrap(out.reshape(x.shape))
+    inputs = (input, weight)
+    if needs_graph(inputs):
+        node = RMSNormBackward()
+        node.x2, node.w1, node.rstd = x2, w1, rstd
+        node.x_shape, node.normalized_shape, node.eps = x.shape, normalized_shape, eps
+        attach(out, node, inputs)
+    return out
