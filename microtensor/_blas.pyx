@@ -13,16 +13,14 @@ library from numpy's: pinning it to one thread leaves numpy's `@` untouched.
 Row-major arrays meet column-major BLAS through one identity: a row-major (r, c)
 array is, read column-major, its transpose (c, r). So row-major C = A @ B is computed
 as column-major C^T = B^T @ A^T, and a transposed view (W.T) is passed as the
-untransposed array plus a 'T' flag: no copy.
+untransposed array plus a 'T' flag: no copy. That swap lives in one place, the `gemm`
+of microtensor/_common.pxd (cimported here as `rowmajor_gemm`, this module's `gemm` being
+the Python entry), which the attention kernels call too.
 """
 import numpy as np
 from cython.parallel cimport prange
-from scipy.linalg.cython_blas cimport sgemm, dgemm
 cimport cython
-
-ctypedef fused real:
-    float
-    double
+from microtensor._common cimport real, bounded_threads, gemm as rowmajor_gemm
 
 cdef Py_ssize_t _PARALLEL_MIN_FLOPS = 1 << 17   # below this a second thread costs more
 
@@ -63,7 +61,7 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
     cdef int chunk, i, r0, rows, nchunks
     cdef char fa, fb
     cdef real* a_block
-    # column-major flags for C^T = op(B)^T op(A)^T (see the module docstring)
+    # the flags as BLAS reads them, 'N' or 'T' (the operand swap is rowmajor_gemm's)
     fb = b'N' if tb == b'N' else b'T'
     fa = b'N' if ta == b'N' else b'T'
     nchunks = nthreads if M >= nthreads else 1
@@ -74,12 +72,8 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
         if rows > 0:
             # rows r0.. of op(A): row offset in (M, K) storage, column offset in (K, M)
             a_block = a + (<Py_ssize_t>r0 * lda if ta == b'N' else r0)
-            if real is float:
-                sgemm(&fb, &fa, &N, &rows, &K, &alpha, b, &ldb, a_block, &lda,
-                      &beta, c + <Py_ssize_t>r0 * N, &N)
-            else:
-                dgemm(&fb, &fa, &N, &rows, &K, &alpha, b, &ldb, a_block, &lda,
-                      &beta, c + <Py_ssize_t>r0 * N, &N)
+            rowmajor_gemm(fa, fb, rows, N, K, alpha, a_block, lda, b, ldb,
+                          beta, c + <Py_ssize_t>r0 * N, N)
 
 
 cdef tuple _operand(object x):
@@ -125,6 +119,8 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
     b_st, tb = _operand(b)
     # leading dimensions of the row-major storages
     cdef int lda = a_st.shape[1], ldb = b_st.shape[1]
+    # NOTE: not bounded_threads: the row split can change float32 bits (OpenBLAS picks its
+    # kernel by block shape), so a count above that bound's 256 splits as it always did
     cdef int nthreads = num_threads
     if <double>M * N * K < _PARALLEL_MIN_FLOPS or nthreads < 1:
         nthreads = 1
@@ -179,7 +175,7 @@ def batched_gemm(a, b, out=None, int num_threads=1):
     cdef int lda = a_st.shape[2], ldb = b_st.shape[2]
     cdef char fa = b'T' if ta else b'N'
     cdef char fb = b'T' if tb else b'N'
-    cdef int nthreads = num_threads if <double>L * M * N * K >= _PARALLEL_MIN_FLOPS else 1
+    cdef int nthreads = bounded_threads(num_threads) if <double>L * M * N * K >= _PARALLEL_MIN_FLOPS else 1
     cdef Py_ssize_t i, sa = <Py_ssize_t>M * K, sb = <Py_ssize_t>K * N, sc = <Py_ssize_t>M * N
     cdef float alpha_f = 1, beta_f = 0
     cdef double alpha_d = 1, beta_d = 0
@@ -190,13 +186,13 @@ def batched_gemm(a, b, out=None, int num_threads=1):
     if a.dtype.itemsize == 4:
         fa3, fb3, fc3 = a_st, b_st, out
         for i in prange(L, nogil=True, num_threads=nthreads, schedule="static"):
-            sgemm(&fb, &fa, &N, &M, &K, &alpha_f, <float*>&fb3[i, 0, 0], &ldb, <float*>&fa3[i, 0, 0], &lda,
-                  &beta_f, &fc3[i, 0, 0], &N)
+            rowmajor_gemm(fa, fb, M, N, K, alpha_f, &fa3[i, 0, 0], lda, &fb3[i, 0, 0], ldb,
+                          beta_f, &fc3[i, 0, 0], N)
     else:
         da3, db3, dc3 = a_st, b_st, out
         for i in prange(L, nogil=True, num_threads=nthreads, schedule="static"):
-            dgemm(&fb, &fa, &N, &M, &K, &alpha_d, <double*>&db3[i, 0, 0], &ldb, <double*>&da3[i, 0, 0], &lda,
-                  &beta_d, &dc3[i, 0, 0], &N)
+            rowmajor_gemm(fa, fb, M, N, K, alpha_d, &da3[i, 0, 0], lda, &db3[i, 0, 0], ldb,
+                          beta_d, &dc3[i, 0, 0], N)
     return out
 
 

@@ -37,12 +37,13 @@ Dropout on P (dropout_p > 0) draws its keep/drop decisions from a counter-based 
 
 BLAS: scipy's Fortran gemm (cython_blas, callable without the GIL) does the matrix
 products. Fortran is column-major; a row-major matrix is its transpose there, so
-`gemm` below asks for C^T = op(B)^T op(A)^T: swap the operands, keep the flags.
+`gemm` (microtensor/_common.pxd, shared with _blas.pyx) asks for C^T = op(B)^T op(A)^T:
+swap the operands, keep the flags.
 """
 from cython.parallel cimport prange, parallel, threadid
 from libc.float cimport FLT_MAX, DBL_MAX
-from scipy.linalg.cython_blas cimport sgemm, dgemm
 cimport cython
+from microtensor._common cimport gemm
 
 include "_fused_math.pxi"
 
@@ -64,18 +65,6 @@ from microtensor._blas import pin_blas_threads
 def blas_thread_control_found():
     """True when the BLAS threads are pinned to one (else kernels use one thread)."""
     return pin_blas_threads()
-
-
-cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,
-                      const real* A, int lda, const real* B, int ldb, real beta,
-                      real* C, int ldc) noexcept nogil:
-    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C;  op(A) (M, K), op(B) (K, N)."""
-    if real is float:
-        sgemm(&transb, &transa, &N, &M, &K, &alpha, <float*>B, &ldb, <float*>A, &lda,
-              &beta, C, &ldc)
-    else:
-        dgemm(&transb, &transa, &N, &M, &K, &alpha, <double*>B, &ldb, <double*>A, &lda,
-              &beta, C, &ldc)
 
 
 cdef inline double _uniform(unsigned long long seed, unsigned long long counter) noexcept nogil:
@@ -222,7 +211,7 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
         raise ValueError(f"attention_forward: out {(out.shape[0], out.shape[1], out.shape[2])} / lse "
                          f"{(lse.shape[0], lse.shape[1])} do not fit ({BH}, {Tq}, {v.shape[2]})")
     hs, hv = <int>q.shape[2], <int>v.shape[2]
-    num_threads = clamp_threads(num_threads)
+    num_threads = bounded_threads(num_threads)
     rows = imin(block, Tq)
     if not pin_blas_threads():      # scipy's BLAS threads out of our hands: one thread
         num_threads = 1
@@ -322,7 +311,7 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
         raise ValueError(f"attention_backward: dmask must be ({BH}, {Tq}, {Tk}), got "
                          f"{(dmask.shape[0], dmask.shape[1], dmask.shape[2])}")
     hs, hv = <int>q.shape[2], <int>v.shape[2]
-    num_threads = clamp_threads(num_threads)
+    num_threads = bounded_threads(num_threads)
     rows = imin(block, Tq)
     per_thread = rows * Tk * (3 if dropout_p > 0 else 2)
     if not pin_blas_threads():      # scipy's BLAS threads out of our hands: one thread

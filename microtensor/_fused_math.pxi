@@ -19,10 +19,8 @@ cdef extern from *:
 
 from libc.math cimport exp, expf, log, sqrt, erf, erfc, fabs, fabsf, INFINITY, NAN
 from libc.stdlib cimport malloc, free
-
-ctypedef fused real:
-    float
-    double
+# the float types (real) and the thread bound (bounded_threads) of every extension
+from microtensor._common cimport real, bounded_threads
 
 
 cdef union _f32_bits:
@@ -196,12 +194,10 @@ cdef inline Py_ssize_t imin(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
 # The Python side checks shapes and index ranges, but a kernel must also be safe when
 # called directly (bounds checks are off in here): every entry checks the sizes it relies
 # on (O(1)), index arrays are range-checked before any row is touched (O(rows), small
-# next to the O(rows * cols) work), thread counts are clamped, and scratch memory is
-# allocated once, with the GIL, before the parallel region, so that a failed allocation
-# raises MemoryError instead of handing NULL to a thread.
-
-cdef enum:
-    MAX_THREADS = 256      # more threads than this is a caller's mistake, not a request
+# next to the O(rows * cols) work), thread counts are clamped (bounded_threads, from
+# _common.pxd), and scratch memory is allocated once, with the GIL, before the parallel
+# region, so that a failed allocation raises MemoryError instead of handing NULL to a
+# thread.
 
 cdef size_t _alloc_limit = <size_t>-1   # tests lower it to reach the MemoryError path
 
@@ -226,13 +222,6 @@ cdef void* scratch_alloc(Py_ssize_t count, Py_ssize_t itemsize) except NULL:
     if p == NULL:
         raise MemoryError(f"cannot allocate {count} x {itemsize} bytes of kernel scratch memory")
     return p
-
-
-cdef inline int clamp_threads(int n) noexcept nogil:
-    """A thread count in [1, MAX_THREADS]."""
-    if n < 1:
-        return 1
-    return n if n < MAX_THREADS else MAX_THREADS
 
 
 cdef inline Py_ssize_t first_bad_index(const long long* ids, Py_ssize_t n, long long limit,

@@ -16,10 +16,7 @@
 from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf
 cimport cython
-
-ctypedef fused real:
-    float
-    double
+from microtensor._common cimport real, bounded_threads
 
 # Below this many elements one thread is faster than waking a second one.
 cdef Py_ssize_t _PARALLEL_MIN = 1 << 15
@@ -35,7 +32,7 @@ cdef _check_length(str kernel, str what, Py_ssize_t got, Py_ssize_t n):
 cdef inline int _threads(Py_ssize_t n, int num_threads) noexcept nogil:
     if n < _PARALLEL_MIN or num_threads <= 1:
         return 1
-    return num_threads if num_threads < 256 else 256     # a bound, as the fused kernels
+    return bounded_threads(num_threads)     # the bound of every kernel (_common.pxd)
 
 
 cdef inline real _sqrt(real x) noexcept nogil:

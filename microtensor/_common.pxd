@@ -1,0 +1,39 @@
+# Declarations shared by microtensor's Cython extensions (cimport, never import):
+#
+#   from microtensor._common cimport real, gemm, bounded_threads
+#
+# Everything here is a type or an inline function, so there is no _common module to
+# build: each extension that cimports it compiles its own copy of what it uses.
+
+from scipy.linalg.cython_blas cimport sgemm, dgemm
+
+# The float types of every kernel: float32 and float64.
+ctypedef fused real:
+    float
+    double
+
+
+cdef inline int bounded_threads(long n) noexcept nogil:
+    """A thread count in [1, 256]: n clamped (below 1 gives 1). More threads than 256 is
+    a caller's mistake, not a request."""
+    if n < 1:
+        return 1
+    return <int>n if n < 256 else 256
+
+
+cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,
+                      const real* A, int lda, const real* B, int ldb, real beta,
+                      real* C, int ldc) noexcept nogil:
+    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C;  op(A) (M, K), op(B) (K, N).
+
+    transa = 'N' when A is stored (M, K) row-major, 'T' when (K, M); transb likewise for
+    B, (K, N) or (N, K); lda, ldb, ldc are the row lengths of the row-major storages.
+    scipy's BLAS (cython_blas, callable without the GIL) is Fortran, column-major: a
+    row-major matrix is its transpose there, so this asks for C^T = op(B)^T op(A)^T:
+    the operands swapped, the flags kept."""
+    if real is float:
+        sgemm(&transb, &transa, &N, &M, &K, &alpha, <float*>B, &ldb, <float*>A, &lda,
+              &beta, C, &ldc)
+    else:
+        dgemm(&transb, &transa, &N, &M, &K, &alpha, <double*>B, &ldb, <double*>A, &lda,
+              &beta, C, &ldc)
