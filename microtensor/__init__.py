@@ -46,14 +46,11 @@ from microtensor._core import (
     arange, linspace, randn, rand, randint, randperm, multinomial,
     manual_seed, get_rng_state, set_rng_state, default_generator,
     no_grad, enable_grad, set_grad_enabled, is_grad_enabled,
-    add, sub, mul, div, pow, neg, exp, log, sqrt, tanh, sigmoid, relu, abs, clamp,
-    where, masked_fill, lt, le, gt, ge, eq, ne, logical_not, logical_and, logical_or,
-    isnan, isfinite, maximum, minimum,
-    sum, mean, var, std, amax, amin, max, min, argmax, argmin, softmax, log_softmax,
-    logsumexp, reshape, view, flatten, unsqueeze, squeeze, permute, transpose, expand,
-    contiguous, split, chunk, cat, stack, tril, triu, getitem, index_select, matmul,
-    set_num_threads, get_num_threads,
+    set_num_threads, get_num_threads, register_op, registered_ops,
 )
+# The core's ops (mt.add, mt.exp, mt.matmul, ...) are not listed here: each op's registry
+# row (register_op, beside its rule in the core's ops_*.pxi) made it a function of this
+# package, and a Tensor method, when the core was imported above.
 from microtensor.dtypes import (
     dtype, device, float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8,
     bool_ as bool, finfo, iinfo,
@@ -64,11 +61,12 @@ from microtensor import nn, optim
 from microtensor import inspect
 from microtensor.threads import (set_blas_threads, get_blas_threads, blas_info, set_threads,
                                  default_num_threads, physical_cores)
+# the kernels' threads: the one policy (OMP_NUM_THREADS, else the physical cores)
+set_num_threads(default_num_threads())
 from microtensor.serialization import save, load
 # mt.distributed: importing it does not import mpi4py (only distributed.init() under MPI does)
 from microtensor import distributed
 
-clip = clamp
 concat = cat
 divide = div
 multiply = mul
@@ -117,6 +115,7 @@ from microtensor.ops_linalg import (
     cross, kron,
 )
 true_divide = div
+from microtensor import ops_nan  # noqa: E402,F401  (its registry rows: mt.fmax, mt.fmin)
 from microtensor import linalg, backends, amp, cuda
 from microtensor.dialect import (
     set_default_dtype, get_default_dtype, set_printoptions, inference_mode,

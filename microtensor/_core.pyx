@@ -13,10 +13,11 @@ into this one extension so that ops reach tensors' fields at C speed:
   versions.pxi        version counters: in-place changes to saved tensors are caught
   autograd_engine.pxi Node, the backward traversal (iterative, topological)
   dtypes.pxi          the numpy dtypes of the core, devices, torch-style dtype names
-  tensor.pxi          Tensor, Parameter, the registry of Python-written Tensor methods
+  tensor.pxi          Tensor, Parameter
+  registry.pxi        the op registry: one row makes mt.<op>, t.<op>() and the operator
   creation.pxi        creation functions, the random generator
   ops_pointwise.pxi   + - * / ** and unary ops, where, masked_fill, comparisons
-  ops_reduce.pxi      sum, mean, var, amax/max, argmax, softmax, log_softmax
+  ops_reduce.pxi      sum, mean, var, amax/max, argmax, logsumexp
   ops_shape.pxi       reshape/view, permute, expand, cat/stack, split, indexing
   ops_matmul.pxi      matmul (2-D and 3-D float products through microtensor._blas)
 
@@ -35,6 +36,7 @@ include "versions.pxi"
 include "autograd_engine.pxi"
 include "dtypes.pxi"
 include "tensor.pxi"
+include "registry.pxi"
 include "creation.pxi"
 include "ops_pointwise.pxi"
 include "ops_reduce.pxi"

@@ -6,23 +6,12 @@ from cython.parallel cimport prange
 from libc.math cimport exp as c_exp, log as c_log, sqrt as c_sqrt, fabs, INFINITY
 cimport cython
 
-ctypedef fused real:
-    float
-    double
+from microtensor._common cimport real   # float32 and float64, one declaration for all
 
-cdef int _default_threads():
-    """OMP_NUM_THREADS when set, else the cores this process may run on."""
-    import os
-    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-cdef int _num_threads = _default_threads()
+# The thread policy is microtensor.threads.default_num_threads() (OMP_NUM_THREADS, else
+# the physical cores, within the container's CPU quota): microtensor/__init__.py sets it
+# once the package is imported. Until then the kernels run on one thread.
+cdef int _num_threads = 1
 cdef Py_ssize_t _PARALLEL_MIN = 1 << 15  # below this, one thread is faster
 
 

@@ -613,12 +613,12 @@ TENSOR_METHODS = [
         "arcsin", "arccos", "arctan", "log1p", "expm1", "exp2", "log2", "log10", "reciprocal",
         "erf", "erfc", "erfinv", "logit", "frac", "sign", "sgn", "floor", "ceil", "trunc",
         "fix", "round", "clamp_min", "clamp_max", "float_power", "xlogy", "lerp", "addmm",
-        "cumsum", "cumprod", "prod", "logcumsumexp", "all", "count_nonzero", "isclose",
+        "rsqrt", "square", "cumsum", "cumprod", "prod", "logcumsumexp", "all", "any",
+        "count_nonzero", "isclose",
         "allclose", "equal", "isinf", "isposinf", "isneginf", "logical_xor",
         "is_floating_point", "is_nonzero", "nonzero", "argwhere", "unique", "bincount",
         "histc", "atan2", "arctan2", "fmod", "nan_to_num", "cummax", "cummin", "median",
         "unique_consecutive",
     )
 ]
-# rsqrt and square are core methods already; softplus is F.softplus (no Tensor method in
-# torch); `any` is a core method (without dim, until the core takes one)
+# softplus is F.softplus (torch has no Tensor method of that name)

@@ -91,3 +91,7 @@ def matmul(a, b):
 
 # which tensors the rule reads in backward (version checks)
 declare_saved(MatmulBackward, 0, 1)
+
+
+# the registry row of this file (registry.pxi)
+register_op("matmul", matmul, operator="@")

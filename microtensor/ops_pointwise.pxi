@@ -187,7 +187,8 @@ cdef class PowBackward(Node):
         self.a = self.b = self.out = None
 
 
-def pow(a, b):
+def pow(a, exponent):
+    b = exponent
     x, y = _operand(a), _operand(b)
     try:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -530,3 +531,36 @@ declare_saved(PowBackward, 0, 1, output=True)
 declare_saved(ClampBackward, 0)
 declare_saved(WhereBackward)
 declare_saved(CastBackward)
+
+
+# the registry rows of this file: mt.<name>, t.<name>() and the operator (registry.pxi)
+register_op("add", add, operator="+")
+register_op("sub", sub, operator="-")
+register_op("mul", mul, operator="*")
+register_op("div", div, operator="/")
+register_op("pow", pow, operator="**")
+register_op("neg", neg, operator="unary -")
+register_op("floor_divide", floor_divide, operator="//")
+register_op("remainder", remainder, operator="%")
+register_op("exp", exp)
+register_op("log", log)
+register_op("sqrt", sqrt)
+register_op("tanh", tanh)
+register_op("sigmoid", sigmoid)
+register_op("relu", relu)
+register_op("abs", abs, operator="abs()")
+register_op("clamp", clamp)
+register_op("clip", clamp)
+register_op("where", where, method=lambda self, condition, other: where(condition, self, other))
+register_op("masked_fill", masked_fill)
+register_op("lt", lt, operator="<")
+register_op("le", le, operator="<=")
+register_op("gt", gt, operator=">")
+register_op("ge", ge, operator=">=")
+register_op("eq", eq, operator="==")
+register_op("ne", ne, operator="!=")
+register_op("logical_not", logical_not, operator="~")
+register_op("logical_and", logical_and, operator="&")
+register_op("logical_or", logical_or, operator="|")
+register_op("isnan", isnan)
+register_op("isfinite", isfinite)

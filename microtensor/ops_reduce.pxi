@@ -1,4 +1,5 @@
-# Reductions: sum, mean, var, amax/max, argmax, softmax, log_softmax.
+# Reductions: sum, mean, var, amax/max, argmax, logsumexp. (softmax and log_softmax are
+# fused ops of nn.functional, registered there.)
 
 import builtins as _builtins
 
@@ -111,8 +112,8 @@ def var(x, dim=None, keepdim=False, correction=1, unbiased=None):
     return res
 
 
-def std(x, dim=None, keepdim=False, correction=1):
-    return sqrt(var(x, dim, keepdim, correction))
+def std(x, dim=None, keepdim=False, correction=1, unbiased=None, keepdims=None):
+    return sqrt(var(x, dim, keepdim if keepdims is None else keepdims, correction, unbiased))
 
 
 cpdef object _max_hits(object x, object out, bint evenly):
@@ -148,8 +149,8 @@ cdef class AmaxBackward(Node):
         self.x = self.out = None
 
 
-def amax(x, dim=None, keepdim=False):
-    return _amax(x, dim, keepdim, False)
+def amax(x, dim=None, keepdim=False, keepdims=None):
+    return _amax(x, dim, keepdim if keepdims is None else keepdims, False)
 
 
 cdef Tensor _amax(object x, object dim, bint keepdim, bint evenly):
@@ -173,8 +174,8 @@ cdef Tensor _amax(object x, object dim, bint keepdim, bint evenly):
     return res
 
 
-def amin(x, dim=None, keepdim=False):
-    return neg(amax(neg(x), dim, keepdim))
+def amin(x, dim=None, keepdim=False, keepdims=None):
+    return neg(amax(neg(x), dim, keepdim if keepdims is None else keepdims))
 
 
 cdef class MaxDimBackward(Node):
@@ -220,8 +221,10 @@ cdef tuple _max_along(object d, int dim, bint keepdim):
     return values, indices
 
 
-def max(x, dim=None, keepdim=False):
+def max(x, dim=None, keepdim=False, keepdims=None):
     """max(x) -> the largest element; max(x, dim) -> (values, indices) as in torch."""
+    if keepdims is not None:
+        keepdim = keepdims
     if dim is None:
         if isinstance(keepdim, Tensor):
             raise TypeError("max(a, b) of two tensors: use mt.maximum(a, b)")
@@ -244,7 +247,9 @@ def max(x, dim=None, keepdim=False):
     return MaxResult(res, Tensor._wrap(indices))
 
 
-def min(x, dim=None, keepdim=False):
+def min(x, dim=None, keepdim=False, keepdims=None):
+    if keepdims is not None:
+        keepdim = keepdims
     if dim is None:
         return neg(_amax(neg(x), None, False, True))
     values, indices = max(neg(x), dim, keepdim)
@@ -310,8 +315,10 @@ def minimum(a, b):
     return _extremum(a, b, False)
 
 
-def argmax(x, dim=None, keepdim=False):
+def argmax(x, dim=None, keepdim=False, keepdims=None):
     cdef Tensor t = _t(x)
+    if keepdims is not None:
+        keepdim = keepdims
     if t._data.size == 0 and (dim is None or t._data.ndim == 0
                               or t._data.shape[_norm_dim(dim, t._data.ndim)] == 0):
         raise IndexError(f"argmax(): cannot take the argmax over an empty dimension "
@@ -324,51 +331,14 @@ def argmax(x, dim=None, keepdim=False):
     return Tensor._wrap(_max_along(t._data, d, keepdim)[1])
 
 
-def argmin(x, dim=None, keepdim=False):
-    return argmax(neg(x), dim, keepdim)
+def argmin(x, dim=None, keepdim=False, keepdims=None):
+    return argmax(neg(x), dim, keepdim if keepdims is None else keepdims)
 
 
-# ---- softmax / log_softmax ------------------------------------------------------
-# These are fused ops: their kernels are in _fused.pyx and their forward/backward rules
-# in nn/functional.py, which registers them here when it is imported, so t.softmax(dim),
-# mt.softmax and F.softmax all run the same code.
-
-cdef object _softmax_impl = None
-cdef object _log_softmax_impl = None
-
-
-def register_softmax(softmax_fn, log_softmax_fn):
-    global _softmax_impl, _log_softmax_impl
-    _softmax_impl, _log_softmax_impl = softmax_fn, log_softmax_fn
-
-
-def softmax(x, dim=None):
-    """y = exp(x) / sum(exp(x)) along dim (computed stably)."""
-    cdef Tensor t = _t(x)
-    if t._data.ndim == 0 and dim is not None:   # one element: 1, with gradient 0
-        _norm_dim(dim, 0)
-        return _one_with_zero_slope(t)
-    return _softmax_impl(x, dim)
-
-
-def log_softmax(x, dim=None):
-    """y = x - logsumexp(x) along dim."""
-    cdef Tensor t = _t(x)
-    if t._data.ndim == 0 and dim is not None:   # one element: 0, with gradient 0
-        _norm_dim(dim, 0)
-        return log(_one_with_zero_slope(t))
-    return _log_softmax_impl(x, dim)
-
-
-cdef Tensor _one_with_zero_slope(Tensor t):
-    """1 with derivative 0 at any finite t, NaN at NaN or inf (softmax of one element, as
-    torch: y (g - g y) = 0): e (2 - e) with e = exp(t - t) = 1 and de/dt = e."""
-    e = exp(sub(t, t.detach()))
-    return mul(e, sub(2.0, e))
-
-
-def logsumexp(x, dim, keepdim=False):
+def logsumexp(x, dim, keepdim=False, keepdims=None):
     """y = log(sum(exp(x))) along dim, shifted by the max for stability."""
+    if keepdims is not None:
+        keepdim = keepdims
     cdef Tensor t = _t(x)
     cdef tuple dims = _norm_dims(dim, t._data.ndim)
     for i in dims:
@@ -389,3 +359,19 @@ declare_saved(VarBackward)
 declare_saved(AmaxBackward, 0, output=True)
 declare_saved(MaxDimBackward)
 declare_saved(MaximumBackward)
+
+
+# the registry rows of this file: mt.<name> and t.<name>() (registry.pxi)
+register_op("sum", sum)
+register_op("mean", mean)
+register_op("var", var)
+register_op("std", std)
+register_op("amax", amax)
+register_op("amin", amin)
+register_op("max", max)
+register_op("min", min)
+register_op("maximum", maximum)
+register_op("minimum", minimum)
+register_op("argmax", argmax)
+register_op("argmin", argmin)
+register_op("logsumexp", logsumexp)

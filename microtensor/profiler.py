@@ -48,6 +48,7 @@ _PUBLIC_F_SKIP = {"Tensor", "Node", "ShapeError", "wrap", "needs_graph", "attach
 # a layer above the core registers itself here (the core never imports it)
 _op_modules = []
 _active = None           # the Profiler that is on, if any
+_Method = object()       # marks a patched Tensor method in Profiler._patched
 
 
 def register_ops(module, prefix):
@@ -165,6 +166,12 @@ class Profiler:
                 timed = originals.get(id(value))
                 if timed is not None and getattr(module, attr) is not timed:
                     self._patch(module, attr, timed)
+        # Tensor methods are the registry's functions, installed in the class: t.exp()
+        # reaches the op without a module lookup, so the method is swapped too
+        for row in _core.registered_ops():
+            timed = originals.get(id(row.method))
+            if timed is not None:
+                self._patched.append((_Method, row.name, _core.replace_tensor_method(row.name, timed)))
         if self.backward:
             _core.set_backward_profiler(self._backward_hook)
         global _active
@@ -181,7 +188,10 @@ class Profiler:
         if self.backward:
             _core.set_backward_profiler(None)
         for module, attr, original in reversed(self._patched):
-            setattr(module, attr, original)
+            if module is _Method:
+                _core.replace_tensor_method(attr, original)
+            else:
+                setattr(module, attr, original)
         self._patched = []
         return False
 

@@ -486,117 +486,6 @@ cdef class Tensor:
     def __ne__(self, other): return ne(self, other)
     def __getitem__(self, key): return getitem(self, key)
 
-    def add(self, other, alpha=1): return add(self, other, alpha)
-    def sub(self, other, alpha=1): return sub(self, other, alpha)
-    def mul(self, other): return mul(self, other)
-    def div(self, other): return div(self, other)
-    def pow(self, exponent): return pow(self, exponent)
-    def neg(self): return neg(self)
-    def exp(self): return exp(self)
-    def log(self): return log(self)
-    def sqrt(self): return sqrt(self)
-    def rsqrt(self): return div(1.0, sqrt(self))
-    def square(self): return mul(self, self)
-    def tanh(self): return tanh(self)
-    def sigmoid(self): return sigmoid(self)
-    def relu(self): return relu(self)
-    def abs(self): return abs(self)
-    def clamp(self, min=None, max=None): return clamp(self, min, max)
-    def clip(self, min=None, max=None): return clamp(self, min, max)
-    def sum(self, dim=None, keepdim=False, dtype=None, keepdims=None):
-        return sum(self, dim, keepdim if keepdims is None else keepdims, dtype)
-    def mean(self, dim=None, keepdim=False, dtype=None, keepdims=None):
-        return mean(self, dim, keepdim if keepdims is None else keepdims, dtype)
-    def var(self, dim=None, keepdim=False, correction=1, unbiased=None):
-        return var(self, dim, keepdim, correction, unbiased)
-    def std(self, dim=None, keepdim=False, correction=1, unbiased=None, keepdims=None):
-        if unbiased is not None:
-            correction = 1 if unbiased else 0
-        return std(self, dim, keepdim if keepdims is None else keepdims, correction)
-    def amax(self, dim=None, keepdim=False, keepdims=None):
-        return amax(self, dim, keepdim if keepdims is None else keepdims)
-    def amin(self, dim=None, keepdim=False, keepdims=None):
-        return amin(self, dim, keepdim if keepdims is None else keepdims)
-    def max(self, dim=None, keepdim=False, keepdims=None):
-        return max(self, dim, keepdim if keepdims is None else keepdims)
-    def min(self, dim=None, keepdim=False, keepdims=None):
-        return min(self, dim, keepdim if keepdims is None else keepdims)
-    def argmax(self, dim=None, keepdim=False, keepdims=None):
-        return argmax(self, dim, keepdim if keepdims is None else keepdims)
-    def argmin(self, dim=None, keepdim=False, keepdims=None):
-        return argmin(self, dim, keepdim if keepdims is None else keepdims)
-    def softmax(self, dim): return softmax(self, dim)
-    def log_softmax(self, dim): return log_softmax(self, dim)
-    def logsumexp(self, dim, keepdim=False, keepdims=None):
-        return logsumexp(self, dim, keepdim if keepdims is None else keepdims)
-    def reshape(self, *shape): return reshape(self, *shape)
-    def view(self, *shape): return view(self, *shape)
-    def view_as(self, other): return reshape(self, other.shape)
-    def reshape_as(self, other): return reshape(self, other.shape)
-    def transpose(self, dim0, dim1): return transpose(self, dim0, dim1)
-    def permute(self, *dims): return permute(self, *dims)
-    def unsqueeze(self, dim): return unsqueeze(self, dim)
-    def squeeze(self, dim=None): return squeeze(self, dim)
-    def flatten(self, start_dim=0, end_dim=-1): return flatten(self, start_dim, end_dim)
-    def expand(self, *sizes): return expand(self, *sizes)
-    def expand_as(self, other): return expand(self, other.shape)
-    def contiguous(self): return contiguous(self)
-    def is_contiguous(self): return self._data.flags.c_contiguous
-    def split(self, split_size_or_sections, dim=0): return split(self, split_size_or_sections, dim)
-    def chunk(self, chunks, dim=0): return chunk(self, chunks, dim)
-    def masked_fill(self, mask, value): return masked_fill(self, mask, value)
-    def matmul(self, other): return matmul(self, other)
-    def tril(self, diagonal=0): return tril(self, diagonal)
-    def triu(self, diagonal=0): return triu(self, diagonal)
-    def index_select(self, dim, index): return index_select(self, dim, index)
-    def eq(self, other): return eq(self, other)
-    def ne(self, other): return ne(self, other)
-    def lt(self, other): return lt(self, other)
-    def le(self, other): return le(self, other)
-    def gt(self, other): return gt(self, other)
-    def ge(self, other): return ge(self, other)
-    def logical_not(self): return logical_not(self)
-    def isnan(self): return isnan(self)
-    def all(self, dim=None, keepdim=False):
-        return Tensor._wrap(np.asarray(self._data.all(axis=_reduce_axes(dim, self._data.ndim),
-                                                      keepdims=keepdim)))
-
-    def any(self, dim=None, keepdim=False):
-        return Tensor._wrap(np.asarray(self._data.any(axis=_reduce_axes(dim, self._data.ndim),
-                                                      keepdims=keepdim)))
-    def maximum(self, other): return maximum(self, other)
-    def minimum(self, other): return minimum(self, other)
-    def where(self, condition, other): return where(condition, self, other)
-    def floor_divide(self, other): return floor_divide(self, other)
-    def remainder(self, other): return remainder(self, other)
-
-    def __getattr__(self, name):
-        # methods registered from Python (register_tensor_method) are found here, after
-        # the class's own attributes
-        fn = _tensor_methods.get(name)
-        if fn is None:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        return _types.MethodType(fn, self)
-
-
-cdef dict _tensor_methods = {}
-
-
-def register_tensor_method(name, fn):
-    """Make `t.name(*args, **kwargs)` call `fn(t, *args, **kwargs)`: how ops written in
-    Python become Tensor methods without touching the compiled class."""
-    if not callable(fn):
-        raise TypeError(f"register_tensor_method: {name!r} needs a callable")
-    if name in Tensor.__dict__:
-        raise ValueError(f"Tensor already has an attribute {name!r}")
-    _tensor_methods[name] = fn
-    return fn
-
-
-def registered_tensor_methods():
-    """The names registered with register_tensor_method."""
-    return sorted(_tensor_methods)
-
 
 cdef object _inplace_operand(object other):
     """The other operand of an in-place op: a Python number stays a number (so that
@@ -606,8 +495,6 @@ cdef object _inplace_operand(object other):
     return _to_array(other, None)
 
 
-cdef object _reduce_axes(object dim, int ndim):
-    return None if dim is None else _norm_dims(dim, ndim)
 
 
 class _HookHandle:

@@ -122,6 +122,7 @@ OPS = {
     "diagonal": (lambda x: x.diagonal(1), lambda x: np.diagonal(x, 1), [(normal, (3, 4))]),
     "norm_dim": (lambda x: x.norm(dim=1), lambda x: np.linalg.norm(x, axis=1), [(normal, (3, 4))]),
     "bmm": (lambda a, b: a.bmm(b), np.matmul, [(normal, (2, 3, 4)), (normal, (2, 4, 2))]),
+    "fmax": (lambda a, b: a.fmax(b), np.fmax, [(distinct, (3, 4)), (normal, (4,))]),
 }
 
 # Every public op of API.md's Operations section, and the table entries that cover it.

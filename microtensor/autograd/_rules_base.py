@@ -28,8 +28,16 @@ def register(*keys):
 
 
 def rule_for(node_type):
-    """The create-graph rule of a node type, or None."""
-    return RULES.get(node_type) or RULES.get(_key(node_type))
+    """The create-graph rule of a node type, or None: the one in RULES, else the node's
+    own `create_graph(g)` method (a rule written beside its backward)."""
+    rule = RULES.get(node_type) or RULES.get(_key(node_type))
+    if rule is None and callable(getattr(node_type, "create_graph", None)):
+        return _method_rule
+    return rule
+
+
+def _method_rule(node, g):
+    return node.create_graph(g)
 
 
 # ---- helpers -----------------------------------------------------------------------

@@ -17,6 +17,12 @@ from microtensor.autograd._rules_base import (
 from microtensor.autograd._rules_shape import index_add
 
 
+def _mt_softmax(x, dim):
+    """mt.softmax, found through the op registry: its rule lives with its kernel in
+    nn.functional, which this engine-level module does not import."""
+    return C.op_function("softmax")(x, dim)
+
+
 # ---- fused ops (nn/functional.py) -----------------------------------------------------
 # Keyed by name: nn sits above this module, which never imports it.
 _F = "microtensor.nn.functional."
@@ -24,14 +30,14 @@ _F = "microtensor.nn.functional."
 @register(_F + "SoftmaxBackward")
 def _softmax(node, g):
     """y = softmax(x);  dx = y * (g - sum(g * y))"""
-    y = C.softmax(node.inputs[0], node.dim)
+    y = _mt_softmax(node.inputs[0], node.dim)
     return (C.mul(y, C.sub(g, C.sum(C.mul(g, y), node.dim, True))),)
 
 
 @register(_F + "LogSoftmaxBackward")
 def _log_softmax(node, g):
     """y = log_softmax(x);  dx = g - softmax(x) * sum(g)"""
-    p = C.softmax(node.inputs[0], node.dim)
+    p = _mt_softmax(node.inputs[0], node.dim)
     return (C.sub(g, C.mul(p, C.sum(g, node.dim, True))),)
 
 
@@ -174,7 +180,7 @@ def _cross_entropy(node, g):
     else:
         scale = 1.0 / max(node.count, 1) if node.reduction == "mean" else 1.0
         dloss = C.mul(g, _const(keep[:, None] * scale, dtype))          # (M, 1)
-    drows = C.mul(C.sub(C.softmax(rows, -1), target), dloss)
+    drows = C.mul(C.sub(_mt_softmax(rows, -1), target), dloss)
     if node.how == "second":
         x_shape = node.x_shape
         moved = C.reshape(drows, (x_shape[0],) + tuple(x_shape[2:]) + (x_shape[1],))
@@ -244,7 +250,7 @@ def _attention(node, g):
         dead = np.all(np.isneginf(scores._data), axis=-1, keepdims=True)
         if dead.any():
             scores = C.where(dead, 0.0, scores)
-        p = C.softmax(scores, -1)
+        p = _mt_softmax(scores, -1)
         if dead.any():
             p = C.where(dead, 0.0, p)
         if keep is not None:

@@ -60,6 +60,13 @@ def _rows_backward(node, g, kernel):
     return np.moveaxis(dinp.reshape(node.moved_shape), -1, node.dim)
 
 
+def _one_with_zero_slope(t):
+    """1 with derivative 0 at any finite t, NaN at NaN or inf (softmax of one element, as
+    torch: y (g - g y) = 0): e (2 - e) with e = exp(t - t) = 1 and de/dt = e."""
+    e = _core.exp(_core.sub(t, t.detach()))
+    return _core.mul(e, _core.sub(2.0, e))
+
+
 def _softmax_like(input, dim, dtype, log):
     if dim is None:
         raise TypeError("softmax() needs dim (which dimension to normalise over)")
@@ -70,8 +77,9 @@ def _softmax_like(input, dim, dtype, log):
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not -nd <= dim < nd:
         raise IndexError(f"Dimension out of range (expected to be in range of "
                          f"[{-nd}, {nd - 1}], but got {dim})")
-    if x.ndim == 0:                                      # as one row of one: 1 (log: 0), as torch
-        return _softmax_like(input.reshape(1), 0, None, log).reshape(())
+    if x.ndim == 0:                                      # one element: 1 (log: 0), as torch
+        one = _one_with_zero_slope(input)
+        return _core.log(one) if log else one
     dim = int(dim) % x.ndim
     moved = _contig(np.moveaxis(x, dim, -1))             # (..., N), a view when dim is last
     rows = moved.reshape(-1, moved.shape[-1]) if moved.size else moved.reshape(0, 0)

@@ -206,8 +206,10 @@ for _obj in (DtypeError, relu, sigmoid, tanh, SoftmaxBackward, LogSoftmaxBackwar
     _obj.__module__ = __name__
 del _obj
 
-# t.softmax(dim) and mt.softmax run these same rules
-_core.register_softmax(softmax, log_softmax)
+# mt.softmax and t.softmax(dim) are these same ops: their registry rows sit here, beside
+# the kernels they run (the core has no softmax of its own)
+_core.register_op("softmax", softmax)
+_core.register_op("log_softmax", log_softmax)
 
 # pad, one_hot, the other losses and activations, normalize, batch_norm
 from microtensor.nn.functional_extra import *  # noqa: E402,F401,F403

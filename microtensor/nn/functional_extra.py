@@ -14,6 +14,7 @@ from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeErro
 from microtensor import ops_extra as _ops
 from microtensor.ops_extra import _tensor, _dim, declare_saved
 from microtensor.ops_linalg import vector_norm
+from microtensor.nn._activations_fn import softmax as _softmax
 
 __all__ = [
     "pad", "one_hot", "binary_cross_entropy", "binary_cross_entropy_with_logits", "l1_loss",
@@ -326,7 +327,7 @@ def softsign(input):
 
 def softmin(input, dim=None, dtype=None):
     """softmax(-x)"""
-    return _core.softmax(_core.neg(input), dim)
+    return _softmax(_core.neg(input), dim)
 
 
 def tanhshrink(input):
@@ -348,7 +349,7 @@ def gumbel_softmax(logits, tau=1.0, hard=False, eps=1e-10, dim=-1):
     """softmax((logits + g) / tau) with Gumbel noise g = -log(E), E ~ Exp(1); with hard,
     the one-hot argmax in forward and the soft gradient in backward (straight through)"""
     noise = -np.log(_core.default_generator().exponential(1.0, tuple(logits.shape)))
-    y_soft = _core.softmax(_core.div(_core.add(logits, wrap(noise.astype(logits._data.dtype))),
+    y_soft = _softmax(_core.div(_core.add(logits, wrap(noise.astype(logits._data.dtype))),
                                      tau), dim)
     if not hard:
         return y_soft
