@@ -41,6 +41,9 @@ _NOT_OPS = {
     "is_grad_enabled", "set_grad_enabled_", "set_anomaly_enabled_", "is_anomaly_enabled",
     "set_num_threads", "get_num_threads", "set_backward_profiler", "run_backward",
     "wrap", "needs_graph", "attach", "as_dtype",
+    # the op registry's own functions
+    "register_op", "registered_ops", "register_tensor_method", "registered_tensor_methods",
+    "replace_tensor_method", "op_function",
 }
 _PUBLIC_F_SKIP = {"Tensor", "Node", "ShapeError", "wrap", "needs_graph", "attach"}
 
