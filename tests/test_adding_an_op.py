@@ -1,0 +1,146 @@
+"""docs/ADDING_AN_OP.md is followed, not just read: its code blocks are the repository's
+code verbatim, and the rule and registry lines it shows, renamed to a new op, make a
+working op (mt.<op>, t.<op>, gradients to second order) in a fresh process."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import microtensor as mt
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "ADDING_AN_OP.md"
+EXAMPLE = "microtensor/ops_nan.py"      # the op the walkthrough adds
+
+TAGGED_BLOCK = re.compile(r"<!-- from: (\S+) -->\n```python\n(.*?)\n```", re.S)
+
+
+def tagged_blocks():
+    """(path, code) of every fenced block with a `<!-- from: PATH -->` line above it."""
+    return TAGGED_BLOCK.findall(DOC.read_text(encoding="utf-8"))
+
+
+def test_every_tagged_block_is_verbatim_in_its_file():
+    blocks = tagged_blocks()
+    assert len(blocks) >= 6, f"only {len(blocks)} tagged blocks in {DOC.name}"
+    untagged = DOC.read_text(encoding="utf-8").count("```python") - len(blocks)
+    assert untagged == 0, f"{untagged} python block(s) without a `<!-- from: PATH -->` line"
+    for path, code in blocks:
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert code in source, f"this block of {DOC.name} is not in {path} any more:\n{code}"
+
+
+def test_the_walkthrough_shows_all_three_steps():
+    paths = [path for path, _ in tagged_blocks()]
+    assert EXAMPLE in paths and "tests/test_ops.py" in paths
+    rule = "\n".join(code for path, code in tagged_blocks() if path == EXAMPLE)
+    for piece in ("class FmaxBackward(Node):", "def backward(self, g):",
+                  "def create_graph(self, g):", "declare_saved(FmaxBackward)",
+                  "needs_graph(", "attach(", 'register_op("fmax", fmax)'):
+        assert piece in rule, f"the walkthrough's code lost {piece!r}"
+
+
+def renamed(code):
+    """The walkthrough's op under new names, so that it registers a new row: fmax ->
+    fmax_walkthrough (numpy's np.fmax and the helper _fmax_like keep their names)."""
+    code = code.replace("FmaxBackward", "FmaxWalkthroughBackward")
+    code = re.sub(r"(?<![.\w])fmax\b", "fmax_walkthrough", code)
+    return re.sub(r"(?<![.\w])fmin\b", "fmin_walkthrough", code)
+
+
+# Runs in a child: the parent's microtensor must not get the new rows.
+CHILD = r'''
+import json, sys, types
+import numpy as np
+import microtensor as mt
+from microtensor.autograd.higher_order import rule_for
+
+module = types.ModuleType("walkthrough_op")
+sys.modules["walkthrough_op"] = module
+exec(compile(json.loads(sys.argv[1]), "<ADDING_AN_OP.md>", "exec"), module.__dict__)
+fmax_walkthrough, Backward = module.fmax_walkthrough, module.FmaxWalkthroughBackward
+
+# the registry line made the function, the method and the row
+assert mt.fmax_walkthrough is fmax_walkthrough, "mt.fmax_walkthrough is not the function"
+assert mt.Tensor.__dict__["fmax_walkthrough"] is fmax_walkthrough, "no method in the class"
+rows = {row.name: row for row in mt.registered_ops()}
+assert rows["fmax_walkthrough"].module == "walkthrough_op", rows["fmax_walkthrough"]
+assert rows["fmax_walkthrough"].function is fmax_walkthrough
+
+# forward: numpy's fmax, NaN included, as a method and as a function, broadcasting
+rng = np.random.default_rng(7)
+a, b = rng.standard_normal((3, 4)), rng.standard_normal(4)
+a[0, 1], b[2] = np.nan, np.nan
+np.testing.assert_array_equal(mt.tensor(a).fmax_walkthrough(mt.tensor(b)).numpy(), np.fmax(a, b))
+np.testing.assert_array_equal(mt.fmax_walkthrough(mt.tensor(b), mt.tensor(a)).numpy(), np.fmax(b, a))
+
+# the rule: its node, its create-graph rule, gradients to second order in float64
+x = mt.tensor(rng.standard_normal((3, 4)), requires_grad=True)
+y = mt.tensor(rng.standard_normal(4), requires_grad=True)
+out = x.fmax_walkthrough(y)
+assert type(out.grad_fn) is Backward, type(out.grad_fn)
+assert mt.fmax_walkthrough(mt.tensor(a), mt.tensor(b)).grad_fn is None, "a node without needs_graph"
+assert rule_for(Backward) is not None, "no create-graph rule"
+assert mt.autograd.gradcheck(lambda p, q: p.fmax_walkthrough(q), [x, y])
+assert mt.autograd.gradgradcheck(lambda p, q: mt.fmax_walkthrough(p, q), [x, y])
+# gradgradcheck differentiates the create-graph rule against itself; its values must
+# also be backward's
+u = mt.tensor(rng.standard_normal((3, 4)), requires_grad=True)   # so the gradient has a graph
+plain = mt.autograd.grad(x.fmax_walkthrough(y), [x, y], u)
+graphed = mt.autograd.grad(x.fmax_walkthrough(y), [x, y], u, create_graph=True)
+for p, q in zip(plain, graphed):
+    assert q.grad_fn is not None
+    np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=0, atol=0)
+
+# declare_saved(...) with no inputs: an input changed in place after the forward pass
+# does not stop backward (mul, whose backward reads its inputs, does stop)
+x2 = x * 1.0
+out, product = x2.fmax_walkthrough(y), x2 * y
+with mt.no_grad():
+    x2.mul_(3.0)
+out.sum().backward()
+assert y.grad is not None
+try:
+    product.sum().backward()
+except RuntimeError as error:
+    assert "modified" in str(error), error
+else:
+    raise SystemExit("the version check did not fire for mul: the contrast proves nothing")
+
+# one op, one row
+try:
+    mt.register_op("fmax_walkthrough", fmax_walkthrough)
+except ValueError:
+    pass
+else:
+    raise SystemExit("registering fmax_walkthrough twice did not raise ValueError")
+print("walkthrough ok")
+'''
+
+
+def test_following_the_walkthrough_makes_a_working_op(tmp_path):
+    code = "\n\n".join(renamed(code) for path, code in tagged_blocks() if path == EXAMPLE)
+    assert 'register_op("fmax_walkthrough", fmax_walkthrough)' in code
+    assert "class FmaxWalkthroughBackward(Node):" in code
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(code)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"following docs/ADDING_AN_OP.md failed:\n{r.stdout}\n{r.stderr}"
+    assert "walkthrough ok" in r.stdout
+
+
+def test_the_walkthrough_test_line_is_in_the_op_table():
+    """The table row the doc shows is a live row of OPS (not a comment or a dead copy)."""
+    from test_ops import OPS
+    assert "fmax" in OPS
+    fn, reference = OPS["fmax"][0], OPS["fmax"][1]
+    assert reference is np.fmax
+    a, b = mt.tensor([1.0, float("nan")]), mt.tensor([float("nan"), 2.0])
+    assert fn(a, b).tolist() == [1.0, 2.0]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,200 @@
+"""Guards for the op registry (microtensor/registry.pxi): one row per op makes its `mt.`
+function, its Tensor method and names its operator; nothing else may make them."""
+import inspect
+import operator
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import microtensor as mt
+from test_ops import OPS
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = mt.registered_ops()
+
+
+def test_the_registry_has_the_core_and_the_example():
+    names = {row.name for row in ROWS}
+    assert len(names) == len(ROWS), "two rows share a name"
+    for name in ("add", "exp", "sum", "reshape", "matmul", "softmax", "fmax"):
+        assert name in names, f"no registry row for {name}"
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.export], ids=lambda r: r.name)
+def test_an_exported_row_is_its_mt_function(row):
+    assert getattr(mt, row.name, None) is row.function, f"mt.{row.name} is not {row.function!r}"
+
+
+def test_tensor_has_no_getattr_fallback():
+    """Methods are found by the ordinary lookup, so a missing one is an AttributeError
+    and not a call routed somewhere at run time."""
+    for cls in type.mro(mt.Tensor):
+        assert "__getattr__" not in cls.__dict__, f"{cls.__name__} defines __getattr__"
+    with pytest.raises(AttributeError):
+        mt.tensor([1.0]).no_such_method_anywhere
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.method is not None], ids=lambda r: r.name)
+def test_a_method_row_is_in_the_class_itself(row):
+    installed = mt.Tensor.__dict__.get(row.name)
+    assert installed is not None, f"Tensor.{row.name} is not in the class dictionary"
+    if hasattr(row.method, "__get__"):
+        assert installed is row.method, f"Tensor.{row.name} is not the row's method"
+    else:
+        assert callable(installed)   # a builtin is installed inside a one-line wrapper
+    assert inspect.getattr_static(mt.tensor([1.0]), row.name) is installed
+
+
+# `def NAME(self, ...): return NAME(self, ...)`, on one line or under a docstring
+FORWARD = r'def (\w+)\(self[^)]*\):\s*(?:"""[^"]*"""\s*)?return \1\(self'
+
+
+def test_tensor_pxi_has_no_hand_written_forward_for_a_registered_op():
+    """`def exp(self): return exp(self)` in tensor.pxi would be a second place the method
+    is made; the registry row is the one place."""
+    source = (ROOT / "microtensor" / "tensor.pxi").read_text(encoding="utf-8")
+    forwards = re.findall(FORWARD, source)
+    registered = {row.name for row in ROWS}
+    hand_written = sorted(set(forwards) & registered)
+    assert not hand_written, f"tensor.pxi forwards registered ops by hand: {hand_written}"
+
+
+def test_the_forward_pattern_catches_a_hand_written_forward():
+    samples = ('    def exp(self): return exp(self)\n',
+               '    def sum(self, dim=None):\n        """sum"""\n        return sum(self, dim)\n',
+               '    def __add__(self, other): return add(self, other)\n')
+    assert [re.findall(FORWARD, s) for s in samples] == [["exp"], ["sum"], []]
+
+
+# ---- operators: each slot in tensor.pxi calls the module-level function its row names ----
+
+BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+          "**": operator.pow, "//": operator.floordiv, "%": operator.mod, "@": operator.matmul,
+          "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+          "==": operator.eq, "!=": operator.ne, "&": operator.and_, "|": operator.or_}
+OPERATOR_ROWS = [r for r in ROWS if r.operator in BINARY]
+
+
+def operands(symbol):
+    rng = np.random.default_rng(3)
+    if symbol in ("&", "|"):
+        return mt.tensor([True, False, True, False]), mt.tensor([True, True, False, False])
+    if symbol == "@":
+        return mt.tensor(rng.standard_normal((3, 4))), mt.tensor(rng.standard_normal((4, 2)))
+    a = mt.tensor(rng.uniform(0.5, 2.0, (3, 4)))
+    b = mt.tensor(np.round(rng.uniform(0.5, 2.0, 4), 1))
+    return a, b
+
+
+def test_every_binary_operator_has_a_row():
+    assert {r.operator for r in OPERATOR_ROWS} == set(BINARY)
+
+
+@pytest.mark.parametrize("row", OPERATOR_ROWS, ids=lambda r: r.name)
+def test_an_operator_calls_its_rows_function(row, monkeypatch):
+    import microtensor._core as core
+    name = row.function.__name__
+    original = getattr(core, name)
+    assert original is row.function, f"mt._core.{name} is not the {row.name} row's function"
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(core, name, spy)
+    a, b = operands(row.operator)
+    out = BINARY[row.operator](a, b)
+    assert calls, f"`a {row.operator} b` did not call mt._core.{name}"
+    expected = row.function(a, b)
+    assert out.dtype == expected.dtype
+    np.testing.assert_array_equal(out.numpy(), expected.numpy())
+
+
+# ---- register_op refuses what would make a second row ---------------------------------
+
+def test_register_op_refuses_a_name_that_is_not_an_identifier():
+    with pytest.raises(ValueError, match="identifier"):
+        mt.register_op("not a name", lambda t: t)
+
+
+def test_register_op_refuses_a_function_that_is_not_callable():
+    with pytest.raises(TypeError, match="callable"):
+        mt.register_op("registry_test_not_callable", 3)
+
+
+def test_register_op_refuses_a_name_registered_already():
+    with pytest.raises(ValueError, match="registered already"):
+        mt.register_op("add", lambda a, b: a)
+
+
+def test_register_op_refuses_a_name_tensor_has_already():
+    with pytest.raises(ValueError, match="already has an attribute"):
+        mt.register_op("shape", lambda t: t)
+    assert isinstance(mt.tensor([1.0, 2.0]).shape, tuple)
+
+
+# ---- every core op with a gradient has a line in the op table of test_ops.py ----------
+
+# Core rows with no gradient to check: bool or integer results, or no new graph node.
+NO_GRADIENT = {
+    "lt", "le", "gt", "ge", "eq", "ne",                  # comparisons: bool tensors
+    "logical_not", "logical_and", "logical_or",          # bool in, bool out
+    "isnan", "isfinite",                                 # bool out
+    "argmax", "argmin",                                  # int64 indices
+    "floor_divide",                                      # piecewise constant: no grad_fn
+    "is_contiguous",                                     # a bool, not a tensor
+}
+# Core rows whose table line has another name.
+COVERED_AS = {
+    "getitem": "index_slice",                            # the index_* rows
+    "clip": "clamp",                                     # the same function as clamp
+}
+# Core ops WITH a gradient and no table line yet (a known gap; add the line, then drop
+# the name here: test_known_gaps_are_still_gaps fails once a line exists).
+NOT_IN_THE_TABLE_YET = {
+    "remainder", "std", "amin", "min", "maximum", "minimum", "logsumexp",
+    "index_select", "view_as", "reshape_as", "expand_as",
+}
+
+
+def in_table(name):
+    return name in OPS or any(key.startswith(name + "_") for key in OPS)
+
+
+def core_rows():
+    return [r for r in ROWS if r.module == "microtensor._core"]
+
+
+def test_every_core_op_with_a_gradient_has_a_table_line():
+    missing = [r.name for r in core_rows()
+               if r.name not in NO_GRADIENT | set(COVERED_AS) | NOT_IN_THE_TABLE_YET
+               and not in_table(r.name)]
+    assert not missing, f"core ops with a gradient but no line in tests/test_ops.py OPS: {missing}"
+    for name, key in COVERED_AS.items():
+        assert key in OPS, f"{name} is said to be covered by {key!r}, which is not in OPS"
+
+
+def test_the_exclusions_name_real_rows():
+    names = {r.name for r in core_rows()}
+    stale = sorted((NO_GRADIENT | set(COVERED_AS) | NOT_IN_THE_TABLE_YET) - names)
+    assert not stale, f"excluded names that are no core row: {stale}"
+
+
+def test_known_gaps_are_still_gaps():
+    filled = sorted(name for name in NOT_IN_THE_TABLE_YET if in_table(name))
+    assert not filled, f"these have a table line now; drop them from NOT_IN_THE_TABLE_YET: {filled}"
+
+
+@pytest.mark.parametrize("name", sorted(NO_GRADIENT - {"is_contiguous"}))
+def test_the_no_gradient_rows_really_have_none(name):
+    row = next(r for r in ROWS if r.name == name)
+    a = mt.tensor([[1.5, -2.5], [0.5, 3.0]], dtype=mt.float64, requires_grad=True)
+    b = mt.tensor([[1.0, 2.0], [-0.5, 3.0]], dtype=mt.float64, requires_grad=True)
+    if name.startswith("logical_"):
+        a, b = a > 0, b > 0
+    args = (a,) if name in ("logical_not", "isnan", "isfinite", "argmax", "argmin") else (a, b)
+    out = row.function(*args)
+    assert not out.requires_grad and out.grad_fn is None, f"{name} records a gradient"
