@@ -116,6 +116,8 @@ from microtensor.ops_linalg import (
 )
 true_divide = div
 from microtensor import ops_nan  # noqa: E402,F401  (its registry rows: mt.fmax, mt.fmin)
+from microtensor.capture import compile  # noqa: E402  (mt.compile: capture and replay)
+from microtensor import compiler  # noqa: E402
 from microtensor import linalg, backends, amp, cuda
 from microtensor.dialect import (
     set_default_dtype, get_default_dtype, set_printoptions, inference_mode,

@@ -28,37 +28,12 @@ the engine's traversal and gradient accumulation. The wrappers themselves cost a
 a microsecond per op, which lands in that overhead; `wrapper_cost()` measures it.
 """
 import contextlib
-import sys
 import time
 
-from microtensor import _core
+from microtensor import _core, _intercept
 
-# functions of _core that are not ops (creation, random state, modes, plumbing)
-_NOT_OPS = {
-    "tensor", "from_numpy", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
-    "full_like", "arange", "linspace", "randn", "rand", "randint", "randperm",
-    "multinomial", "manual_seed", "get_rng_state", "set_rng_state", "default_generator",
-    "is_grad_enabled", "set_grad_enabled_", "set_anomaly_enabled_", "is_anomaly_enabled",
-    "set_num_threads", "get_num_threads", "set_backward_profiler", "run_backward",
-    "wrap", "needs_graph", "attach", "as_dtype",
-    # the op registry's own functions
-    "register_op", "registered_ops", "register_tensor_method", "registered_tensor_methods",
-    "replace_tensor_method", "op_function",
-}
-_PUBLIC_F_SKIP = {"Tensor", "Node", "ShapeError", "wrap", "needs_graph", "attach"}
-
-# modules whose own op functions are timed besides _core's: (module, label prefix);
-# a layer above the core registers itself here (the core never imports it)
-_op_modules = []
 _active = None           # the Profiler that is on, if any
-_Method = object()       # marks a patched Tensor method in Profiler._patched
-
-
-def register_ops(module, prefix):
-    """Time the public functions defined in `module` too, labelled `prefix + name`
-    (microtensor.nn registers nn.functional as "F.")."""
-    if all(m is not module for m, _ in _op_modules):
-        _op_modules.append((module, prefix))
+register_ops = _intercept.register_ops   # microtensor.nn registers nn.functional as "F."
 
 
 def backward_hook():
@@ -67,36 +42,6 @@ def backward_hook():
     if _active is None or not _active.backward:
         return None
     return _active._backward_hook
-
-
-def _is_function(obj):
-    return callable(obj) and not isinstance(obj, type) and (
-        type(obj).__name__ in ("function", "cython_function_or_method",
-                               "builtin_function_or_method", "fused_cython_function"))
-
-
-def _op_functions():
-    """{label: (module, attribute name, function)} of everything the profiler wraps."""
-    ops = {}
-    for name, obj in vars(_core).items():
-        if name.startswith("_") or name in _NOT_OPS or not _is_function(obj):
-            continue
-        # kernels (exp_backward, softmax_forward, ...) run inside ops and rules
-        if name.endswith(("_forward", "_backward")) or name in ("max_lastdim", "scatter_add_rows"):
-            continue
-        # Cython-level helpers of the engine live here too; ops are the lowercase
-        # functions defined in the module
-        if getattr(obj, "__module__", "microtensor._core") != "microtensor._core":
-            continue
-        ops[name] = (_core, name, obj)
-    for module, prefix in _op_modules:
-        for name, obj in vars(module).items():
-            if name.startswith("_") or name in _PUBLIC_F_SKIP or not _is_function(obj):
-                continue
-            if getattr(obj, "__module__", None) != module.__name__:
-                continue  # re-exported from elsewhere: wrapped there
-            ops[f"{prefix}{name}"] = (module, name, obj)
-    return ops
 
 
 class Profiler:
@@ -154,48 +99,21 @@ class Profiler:
 
     # -- on / off --------------------------------------------------------------
     def __enter__(self):
-        originals = {}
-        for label, (module, name, fn) in _op_functions().items():
-            timed = self._wrap(label, fn)
-            originals[id(fn)] = timed
-            self._patch(module, name, timed)
-        # modules that did `from ... import op` hold their own reference
-        for modname, module in list(sys.modules.items()):
-            if module is None or not modname.split(".")[0] in self.extra_modules:
-                continue
-            if module is _core:
-                continue
-            for attr, value in list(vars(module).items()):
-                timed = originals.get(id(value))
-                if timed is not None and getattr(module, attr) is not timed:
-                    self._patch(module, attr, timed)
-        # Tensor methods are the registry's functions, installed in the class: t.exp()
-        # reaches the op without a module lookup, so the method is swapped too
-        for row in _core.registered_ops():
-            timed = originals.get(id(row.method))
-            if timed is not None:
-                self._patched.append((_Method, row.name, _core.replace_tensor_method(row.name, timed)))
+        # every op function, the references modules took of them, and the registry's
+        # Tensor methods (microtensor/_intercept.py, shared with mt.compile)
+        self._patched = _intercept.patch_ops(self._wrap, packages=self.extra_modules)
         if self.backward:
             _core.set_backward_profiler(self._backward_hook)
         global _active
         _active = self
         return self
 
-    def _patch(self, module, attr, value):
-        self._patched.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, value)
-
     def __exit__(self, *exc):
         global _active
         _active = None
         if self.backward:
             _core.set_backward_profiler(None)
-        for module, attr, original in reversed(self._patched):
-            if module is _Method:
-                _core.replace_tensor_method(attr, original)
-            else:
-                setattr(module, attr, original)
-        self._patched = []
+        _intercept.unpatch(self._patched)
         return False
 
     @contextlib.contextmanager

@@ -55,6 +55,11 @@ def register_op(name, function, method=True, operator=None, export=True):
         method = None
     elif not callable(method):
         raise TypeError(f"register_op({name!r}): method must be True, False or a callable")
+    # check everything before changing anything: a refused row leaves no trace
+    if method is not None and any(name in k.__dict__ for k in Tensor.__mro__):
+        raise ValueError(f"Tensor already has an attribute {name!r}")
+    if export:
+        _check_export(name, function)
     if method is not None:
         _install_method(name, method)
     module = getattr(function, "__module__", None) or "microtensor._core"
@@ -64,16 +69,19 @@ def register_op(name, function, method=True, operator=None, export=True):
     return function
 
 
+cdef _check_export(str name, object function):
+    package = _sys.modules.get("microtensor")
+    present = None if package is None else package.__dict__.get(name)
+    if present is not None and present is not function:
+        raise ValueError(f"register_op: mt.{name} exists already ({present!r})")
+
+
 cdef _export(str name, object function):
     """Make `function` the package's `mt.<name>` (the package may still be importing:
     the core's own rows run while `microtensor/__init__.py` imports the core)."""
     package = _sys.modules.get("microtensor")
-    if package is None:
-        return
-    present = package.__dict__.get(name)
-    if present is not None and present is not function:
-        raise ValueError(f"register_op: mt.{name} exists already ({present!r})")
-    setattr(package, name, function)
+    if package is not None:
+        setattr(package, name, function)
 
 
 cdef _install_method(str name, object fn):
@@ -105,11 +113,15 @@ def registered_tensor_methods():
 
 
 def replace_tensor_method(name, fn):
-    """Swap the installed method `name` for fn and return the one it replaces: for tools
-    that wrap ops for a while (the profiler), and put the original back after."""
+    """Swap the Tensor method `name` (a registered op's, or one of the class's own, such
+    as clone or add_) for fn and return the one it replaces: for tools that wrap ops for
+    a while (the profiler, mt.compile's recording), which put the original back after."""
     row = _registry.get(name)
     if row is None or row.method is None:
-        raise KeyError(f"no registered Tensor method {name!r}")
+        own = Tensor.__dict__.get(name)
+        if own is None or isinstance(own, (property, _types.GetSetDescriptorType)) \
+                or not callable(own) or name.startswith("__"):
+            raise KeyError(f"no Tensor method {name!r} to replace")
     previous = (<dict>(<PyTypeObject*>Tensor).tp_dict)[name]
     (<dict>(<PyTypeObject*>Tensor).tp_dict)[name] = fn
     PyType_Modified(<PyTypeObject*>Tensor)

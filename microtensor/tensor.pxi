@@ -37,6 +37,7 @@ cdef class Tensor:
     __array_ufunc__ = None
 
     def __array__(self, dtype=None, copy=None):
+        _seen(self, "numpy's asarray(t)")
         if dtype is None:
             return self._data
         return self._data.astype(dtype)
@@ -93,15 +94,18 @@ cdef class Tensor:
 
     def numpy(self):
         """The values as a numpy array sharing memory (never tracks gradients)."""
+        _seen(self, "t.numpy()")
         return self._data
 
     def item(self):
+        _seen(self, "t.item()")
         if self._data.size != 1:
             raise ValueError(
                 f"a Tensor with {self._data.size} elements cannot be converted to a Python scalar")
         return self._data.reshape(()).item()
 
     def tolist(self):
+        _seen(self, "t.tolist()")
         return self._data.tolist()
 
     @property
@@ -124,6 +128,7 @@ cdef class Tensor:
 
     @grad.setter
     def grad(self, value):
+        _seen(self, "t.grad = ...")
         if value is None:
             self._grad = None
             return
@@ -142,6 +147,7 @@ cdef class Tensor:
 
     @requires_grad.setter
     def requires_grad(self, value):
+        _seen(self, "t.requires_grad = ...")
         value = bool(value)
         if self._node is not None and not value:
             raise RuntimeError(
@@ -176,6 +182,7 @@ cdef class Tensor:
 
     @data.setter
     def data(self, value):
+        _seen(self, "t.data = ...")
         self._data = value._data if isinstance(value, Tensor) else _to_array(value, None)
 
     @property
@@ -224,6 +231,7 @@ cdef class Tensor:
 
     def retain_grad(self):
         """Keep .grad on this non-leaf tensor after backward."""
+        _seen(self, "t.retain_grad()")
         if self._node is None:
             return
         # a weak reference: the node must not keep its own output alive (a cycle)
@@ -237,6 +245,7 @@ cdef class Tensor:
     def register_hook(self, hook):
         """hook(grad) runs when this tensor's gradient is computed; it may return a
         replacement gradient. Returns a handle whose remove() unregisters it."""
+        _seen(self, "t.register_hook()")
         if not self._requires_grad:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         if not callable(hook):
@@ -310,6 +319,7 @@ cdef class Tensor:
         return int(self.item())
 
     def __bool__(self):
+        _seen(self, "bool(t)")
         if self._data.size != 1:
             raise RuntimeError(
                 f"Boolean value of Tensor with {self._data.size} elements is ambiguous")
@@ -373,6 +383,7 @@ cdef class Tensor:
     cdef _check_inplace(self):
         """Every in-place op starts here: refuse a leaf that requires grad (in grad
         mode), and count the change, so backward can tell a saved tensor was modified."""
+        _seen(self, "an in-place op")
         if _grad_on() and self._requires_grad:
             if self._node is None:
                 raise RuntimeError(
@@ -441,6 +452,7 @@ cdef class Tensor:
         return self
 
     def __setitem__(self, key, value):
+        _seen(self, "t[...] = ...")
         if _grad_on() and self._requires_grad:
             raise RuntimeError(
                 "index assignment into a tensor that requires grad is not differentiable here; "
@@ -485,6 +497,32 @@ cdef class Tensor:
     def __eq__(self, other): return eq(self, other)
     def __ne__(self, other): return ne(self, other)
     def __getitem__(self, key): return getitem(self, key)
+
+
+# ---- the capture hook: what mt.compile cannot record ------------------------------------
+# A compiled function is recorded as the ops it calls. Reading a tensor's values in
+# Python (t.item(), bool(t), t.numpy()) can steer the Python code between ops, and
+# changing a tensor outside an op (t.add_(1), t.grad = None, t.data = ...) is a change
+# no op records: both call the hook, and mt.compile decides (microtensor/compile/).
+
+cdef object _capture_hook = None
+
+
+def set_capture_hook(hook):
+    """hook(tensor, what) runs where Python reads a tensor's values or changes it outside
+    an op (None: no hook). Returns the previous hook."""
+    global _capture_hook
+    if hook is not None and not callable(hook):
+        raise TypeError(f"set_capture_hook: the hook must be callable or None, got {type(hook).__name__}")
+    previous = _capture_hook
+    _capture_hook = hook
+    return previous
+
+
+cdef inline int _seen(Tensor t, str what) except -1:
+    if _capture_hook is not None:
+        _capture_hook(t, what)
+    return 0
 
 
 cdef object _inplace_operand(object other):

@@ -33,7 +33,7 @@ MICROTENSOR = {
     "inspect": ENGINE, "linalg": ENGINE, "ops_extra": ENGINE, "ops_index": ENGINE,
     "ops_linalg": ENGINE, "optim": ENGINE, "profiler": ENGINE, "serialization": ENGINE,
     "threads": ENGINE, "creation": ENGINE, "grad_mode": ENGINE, "versions": ENGINE,
-    "registry": ENGINE, "_common": ENGINE,
+    "registry": ENGINE, "_common": ENGINE, "capture": ENGINE, "compiler": ENGINE,
     "nn": NN, "coverage": NN,
 }
 # the files `include`d into an extension belong to it

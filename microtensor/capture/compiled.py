@@ -1,0 +1,167 @@
+"""mt.compile: record a function's ops on its first calls, replay them after.
+
+    step = mt.compile(train_step)        # or @mt.compile above the def
+    loss = step(x, y)                    # call 1: runs eagerly and records
+    loss = step(x, y)                    # call 2: runs eagerly, records again, compares
+    loss = step(x, y)                    # call 3 on: replays the plan
+    print(step.plan)                     # the ops of one call, in order
+    print(step.plan.summary())           # time per kind of op over the replays
+
+A plan is kept per key: the shapes, dtypes and requires_grad of the tensor arguments,
+the other arguments' values, and the grad mode. Its guards (each Module's `training`
+flag) must still hold, else the call records a new plan. The first two calls of a key
+run eagerly and are both recorded; the plan is trusted only when the two recordings
+agree (the same ops on the same arguments), so a value baked in on the first call
+that changes on the second (a tensor made outside any op, Python control flow that
+took another branch) is caught, and that key runs eagerly from then on. Reading a
+tensor's value in the function (t.item(), if t > 0:) or changing a tensor outside an
+op (t.grad = None) is caught as it happens and also keeps that key eager. What changes
+legitimately between calls is read at replay: an optimizer reads its param_groups' lr
+and its step count, dropout draws from the generator as eager mode does.
+
+What a plan cannot see: Python side effects of the function (printing, appending to a
+list, a counter) happen on the two recorded calls only; attributes of modules other
+than `training`, and numbers passed as arguments (a new value is a new key), are
+constants of the plan.
+"""
+import functools
+import warnings
+
+from microtensor import _core
+from microtensor._core import Tensor
+from microtensor.capture.recorder import Recorder
+from microtensor.capture.plan import Plan, compare
+
+
+class CompiledFunction:
+    """A function with its plans (see the module docstring)."""
+
+    def __init__(self, fn, max_plans=8, verbose=False):
+        if not callable(fn):
+            raise TypeError(f"mt.compile needs a callable, got {type(fn).__name__}")
+        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+            raise ValueError(f"mt.compile: max_plans must be a positive int, got {max_plans!r}")
+        self.fn = fn
+        self.max_plans = max_plans
+        self.verbose = verbose
+        self._plans = {}        # key -> list of Plan (one per set of guard values)
+        self._pending = {}      # key -> the first call's (recorder, plan), awaiting the second
+        self._eager = {}        # key -> why this key runs eagerly
+        self.calls = {"recorded": 0, "replayed": 0, "eager": 0}
+        functools.update_wrapper(self, fn)
+
+    # -- the call -------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        try:
+            key = (_key(args), _key(tuple(sorted(kwargs.items()))), _core.is_grad_enabled())
+        except TypeError as e:
+            return self._run_eagerly(None, f"an argument cannot key a plan ({e})", args, kwargs)
+        if key in self._eager:
+            self.calls["eager"] += 1
+            return self.fn(*args, **kwargs)
+        for plan in self._plans.get(key, ()):
+            if plan.holds():
+                self.calls["replayed"] += 1
+                return plan.replay(args, kwargs)
+        if sum(len(p) for p in self._plans.values()) + len(self._pending) >= self.max_plans:
+            return self._run_eagerly(key, f"more than max_plans={self.max_plans} plans "
+                                          "(shapes or arguments keep changing)", args, kwargs)
+        return self._record(key, args, kwargs)
+
+    def _record(self, key, args, kwargs):
+        recorder = Recorder()
+        inputs = [(path, recorder.new_slot(t)) for path, t in _tensors((args, kwargs))]
+        with recorder:
+            result = self.fn(*args, **kwargs)
+        self.calls["recorded"] += 1
+        result_template = recorder.template(result)
+        recorder.final_grad_mode = _core.is_grad_enabled()
+        if recorder.refused:
+            self._give_up(key, recorder.refused)
+            return result
+        plan = Plan(recorder, inputs, result_template)
+        first = self._pending.pop(key, None)
+        if first is None:
+            self._pending[key] = plan       # the second call records again and compares
+            return result
+        difference = compare(first, plan)
+        if difference is not None:
+            self._give_up(key, difference)
+            return result
+        self._plans.setdefault(key, []).append(plan)
+        if self.verbose:
+            print(f"mt.compile({self.__name__}): a plan of {len(plan)} calls")
+        return result
+
+    def _give_up(self, key, reason):
+        self._pending.pop(key, None)
+        self._eager[key] = reason
+        warnings.warn(f"mt.compile({getattr(self.fn, '__name__', 'fn')}): running eagerly: "
+                      f"{reason}", RuntimeWarning, stacklevel=4)
+
+    def _run_eagerly(self, key, reason, args, kwargs):
+        if key is not None:
+            self._give_up(key, reason)
+        else:
+            warnings.warn(f"mt.compile: running eagerly: {reason}", RuntimeWarning, stacklevel=3)
+        self.calls["eager"] += 1
+        return self.fn(*args, **kwargs)
+
+    # -- reading it -----------------------------------------------------------------------
+    @property
+    def plan(self):
+        """The newest plan (None before the second call of a key)."""
+        plans = [p for ps in self._plans.values() for p in ps]
+        return plans[-1] if plans else None
+
+    @property
+    def plans(self):
+        return [p for ps in self._plans.values() for p in ps]
+
+    @property
+    def eager_reasons(self):
+        """Why keys run eagerly: {key: reason}."""
+        return dict(self._eager)
+
+    def __repr__(self):
+        return (f"<compiled {getattr(self.fn, '__name__', 'fn')}: {len(self.plans)} plans, "
+                f"calls {self.calls}>")
+
+
+def compile(fn=None, *, max_plans=8, verbose=False, **torch_options):
+    """Record `fn`'s ops on its first two calls and replay them after (see
+    microtensor/capture/compiled.py). Works as `mt.compile(fn)` and as `@mt.compile`.
+    torch.compile's options (mode=, fullgraph=, dynamic=, backend=) are accepted and
+    have no effect."""
+    unknown = set(torch_options) - {"mode", "fullgraph", "dynamic", "backend", "options",
+                                    "disable"}
+    if unknown:
+        raise TypeError(f"mt.compile() got unexpected keyword arguments {sorted(unknown)}")
+    if torch_options.get("disable"):
+        return fn if fn is not None else (lambda f: f)
+    if fn is None:
+        return lambda f: CompiledFunction(f, max_plans=max_plans, verbose=verbose)
+    return CompiledFunction(fn, max_plans=max_plans, verbose=verbose)
+
+
+def _key(value):
+    """A hashable key of an argument: tensors by shape, dtype and requires_grad."""
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__,) + tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return ("dict",) + tuple((k, _key(v)) for k, v in sorted(value.items()))
+    hash(value)
+    return value
+
+
+def _tensors(value, path=()):
+    """[(path, tensor)] of the tensors in nested args / kwargs."""
+    if isinstance(value, Tensor):
+        return [(path, value)]
+    if isinstance(value, (tuple, list)):
+        return [x for i, v in enumerate(value) for x in _tensors(v, path + (i,))]
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _tensors(v, path + (k,))]
+    return []

@@ -1,0 +1,295 @@
+"""Recording one call of a function as the ops it ran, in order.
+
+While a Recorder is on, every op (microtensor/_intercept.py wraps them all), the
+Tensor methods that make or change tensors (clone, to, add_, backward, ...) and the
+calls registered with `register_call` (an optimizer's step, clip_grad_norm_,
+zero_grad) are recorded when called from the function itself; what they call inside
+is theirs. Each record keeps the function and its arguments as a template: a tensor
+an earlier record made (or the function was given) becomes a slot, read from the
+replay's slots; any other tensor is an external (a parameter, a constant) held as it
+is; everything else is a constant.
+
+What a recording cannot see is caught where it happens: reading a tensor's values in
+Python (t.item(), bool(t), t.numpy()) may steer the code between ops, and changing a
+tensor outside an op (t.grad = None, t[...] = x) is a change no op records. Both reach
+the core's capture hook, and the recording is marked as not replayable, with the
+reason and the line of the function's code.
+"""
+import threading
+import traceback
+import types
+
+from microtensor import _core, _intercept
+from microtensor._core import Tensor
+
+# Tensor methods of the class itself that make or change tensors: recorded as calls
+TENSOR_CALLS = (
+    "backward", "detach", "detach_", "clone", "to", "type", "float", "double", "long",
+    "int", "bool", "cpu", "requires_grad_", "retain_grad", "register_hook", "zero_",
+    "fill_", "copy_", "add_", "sub_", "mul_", "div_", "clamp_", "normal_", "uniform_",
+)
+_recording = threading.local()   # .recorder: the Recorder on in this thread, if any
+_calls = []       # (owner, attribute name, with subclasses) from register_call
+_guards = []      # (class, attribute names) from register_guard
+
+
+def register_call(owner, name, subclasses=False):
+    """Record `owner.name(...)` as one call (what it does inside is not recorded): for
+    calls that change state outside any op, such as an optimizer's step. With
+    subclasses=True, the subclasses' own `name` too."""
+    _calls.append((owner, name, subclasses))
+
+
+def register_guard(cls, *attributes):
+    """Instances of cls called during a recording are guarded: the replay checks that
+    their `attributes` (a Module's `training`) still hold the values they had."""
+    _guards.append((cls, attributes))
+
+
+class Slot:
+    """A tensor of the replay: the function's input or an earlier record's output."""
+    __slots__ = ("index",)
+
+    def __init__(self, index):
+        self.index = index
+
+    def __eq__(self, other):
+        return type(other) is Slot and other.index == self.index
+
+    def __repr__(self):
+        return f"%{self.index}"
+
+
+class Seq:
+    """A tuple or list that holds slots."""
+    __slots__ = ("kind", "items")
+
+    def __init__(self, kind, items):
+        self.kind, self.items = kind, items
+
+    def __eq__(self, other):
+        return type(other) is Seq and other.kind is self.kind and other.items == self.items
+
+
+def resolve(template, values):
+    """The value of a template in a replay whose slots hold `values`."""
+    kind = type(template)
+    if kind is Slot:
+        return values[template.index]
+    if kind is Seq:
+        items = [resolve(t, values) for t in template.items]
+        return items if template.kind is list else template.kind(items)
+    return template
+
+
+def has_slots(template):
+    kind = type(template)
+    return kind is Slot or (kind is Seq and any(has_slots(t) for t in template.items))
+
+
+class Record:
+    """One call: fn(*args, **kwargs) with templates, and where its tensors went."""
+    __slots__ = ("label", "fn", "args", "kwargs", "dynamic", "outs", "grad_mode", "info",
+                 "seconds", "calls")
+
+    def __init__(self, label, fn, args, kwargs, outs, grad_mode, info):
+        self.label, self.fn, self.args, self.kwargs = label, fn, args, kwargs
+        self.dynamic = has_slots(Seq(tuple, list(args) + list(kwargs.values())))
+        self.outs, self.grad_mode, self.info = outs, grad_mode, info
+        self.seconds, self.calls = 0.0, 0
+
+
+class NotReplayable(Exception):
+    pass
+
+
+class Recorder:
+    """Records the ops of one call of a function (see the module docstring)."""
+
+    def __init__(self):
+        self.records = []
+        self.slot_of = {}       # id(tensor) -> slot index
+        self.alive = []         # every tensor given a slot, kept alive (ids stay unique)
+        self.externals = {}     # id -> the external tensors the records read
+        self.guards = {}        # id(instance) -> (instance, ((attribute, value), ...))
+        self.refused = None     # why this recording cannot be replayed, if it cannot
+        self.depth = 0
+        self.thread = threading.get_ident()
+        self._patched = []
+        self._backward_rows = None
+
+    # -- slots and templates ---------------------------------------------------------
+    def new_slot(self, tensor):
+        index = len(self.alive)
+        self.alive.append(tensor)
+        self.slot_of[id(tensor)] = index
+        return index
+
+    def template(self, value):
+        kind = type(value)
+        if isinstance(value, Tensor):
+            index = self.slot_of.get(id(value))
+            if index is not None:
+                return Slot(index)
+            self.externals[id(value)] = value
+            return value
+        if kind is tuple or kind is list:
+            items = [self.template(v) for v in value]
+            if any(type(t) in (Slot, Seq) for t in items):
+                return Seq(kind, items)
+            return value
+        if kind is dict and any(isinstance(v, Tensor) for v in value.values()):
+            self.refuse("a dict of tensors passed to an op")
+        return value
+
+    def bind_outputs(self, out, path=()):
+        """[(path, slot)] for the tensors in an op's result (nested tuples/lists)."""
+        if isinstance(out, Tensor):
+            return [(path, self.new_slot(out))]
+        if isinstance(out, (tuple, list)):
+            found = []
+            for i, v in enumerate(out):
+                found += self.bind_outputs(v, path + (i,))
+            return found
+        return []
+
+    # -- on / off -----------------------------------------------------------------------
+    def __enter__(self):
+        # grad mode is kept per record instead of recording its switches
+        patched = _intercept.patch_ops(self._wrapper, skip=("set_grad_enabled_",))
+        for name in TENSOR_CALLS:
+            original = Tensor.__dict__[name]
+            patched.append((_intercept._METHOD, name, original))
+            _core.replace_tensor_method(name, self._wrapper(f"t.{name}", original))
+        for owner, name, subclasses in _calls:
+            for holder in _with_subclasses(owner) if subclasses else (owner,):
+                fn = vars(holder).get(name)
+                if fn is not None:
+                    patched.append((holder, name, fn))
+                    setattr(holder, name, self._wrapper(_label(holder, name), fn))
+        for cls, attributes in _guards:
+            patched.append((cls, "__call__", cls.__call__))
+            setattr(cls, "__call__", self._guarded(cls.__call__, attributes))
+        self._patched = patched
+        self._previous_hook = _core.set_capture_hook(self._seen)
+        _recording.recorder = self
+        return self
+
+    def __exit__(self, *exc):
+        _recording.recorder = None
+        _core.set_capture_hook(self._previous_hook)
+        _intercept.unpatch(self._patched)
+        return False
+
+    # -- what the wrappers do -------------------------------------------------------------
+    def _wrapper(self, label, fn):
+        recorder = self
+
+        def recorded(*args, **kwargs):
+            if recorder.depth or threading.get_ident() != recorder.thread:
+                return fn(*args, **kwargs)
+            grad_mode = _core.is_grad_enabled()
+            # a generator (model.parameters()) is used up by the call: the replay needs
+            # the tensors it gave, so the call gets them as a list
+            if any(type(a) is types.GeneratorType for a in args):
+                args = tuple(list(a) if type(a) is types.GeneratorType else a for a in args)
+            args_t = tuple(recorder.template(a) for a in args)
+            kwargs_t = {k: recorder.template(v) for k, v in kwargs.items()}
+            info = [tuple(a.shape) for a in args if isinstance(a, Tensor)]
+            backward = label in ("t.backward", "run_backward")
+            if backward:
+                recorder._backward_rows = []
+                previous = _core.set_backward_profiler(recorder._backward_row)
+            recorder.depth = 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                recorder.depth = 0
+                if backward:
+                    _core.set_backward_profiler(previous)
+            outs = recorder.bind_outputs(out)
+            rec = Record(label, fn, args_t, kwargs_t, outs, grad_mode, info)
+            if backward:
+                rec.info = rec.info + recorder._backward_rows
+            recorder.records.append(rec)
+            return out
+        recorded.__name__ = getattr(fn, "__name__", label)
+        recorded.__doc__ = getattr(fn, "__doc__", None)
+        recorded.__wrapped__ = fn
+        return recorded
+
+    def _backward_row(self, node, grad):
+        self._backward_rows.append(node.name())
+        return node.backward(grad)
+
+    def _guarded(self, call, attributes):
+        recorder = self
+
+        def guarded(instance, *args, **kwargs):
+            if threading.get_ident() == recorder.thread and id(instance) not in recorder.guards:
+                recorder.guards[id(instance)] = (
+                    instance, tuple((a, getattr(instance, a)) for a in attributes))
+            return call(instance, *args, **kwargs)
+        return guarded
+
+    def _seen(self, tensor, what):
+        if self.depth or threading.get_ident() != self.thread or self.refused:
+            return
+        self.refuse(f"{what} in the function's own code{_where()}")
+
+    def refuse(self, reason):
+        if self.refused is None:
+            self.refused = reason
+
+
+def _with_subclasses(cls):
+    found, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        found.append(c)
+        todo.extend(c.__subclasses__())
+    return found
+
+
+def _label(holder, name):
+    owner = getattr(holder, "__name__", type(holder).__name__)
+    return f"{owner.replace('microtensor.', '')}.{name}"
+
+
+def _where():
+    """', at file:line' of the innermost frame outside microtensor's own code."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        if "/microtensor/" not in frame.filename.replace("\\", "/"):
+            return f", at {frame.filename}:{frame.lineno} ({frame.line})"
+    return ""
+
+
+def same_constant(a, b):
+    """Two recordings' constants are the same value."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Tensor):
+        return (not a.requires_grad and not b.requires_grad and a.shape == b.shape
+                and a.dtype == b.dtype and a._data.tobytes() == b._data.tobytes())
+    if type(a).__module__ == "numpy" and hasattr(a, "tobytes"):
+        return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if type(a) is Seq:
+        return a.kind is b.kind and len(a.items) == len(b.items) and all(
+            same_constant(x, y) for x, y in zip(a.items, b.items))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_constant(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_constant(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:          # noqa: BLE001 - an incomparable value is not the same
+        return False
+
+
+
+def is_compiling():
+    """True while mt.compile records a call in this thread: code that reads a tensor's
+    values only to check it (and whose ops check it again) can skip that read."""
+    return getattr(_recording, "recorder", None) is not None
