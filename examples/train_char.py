@@ -177,6 +177,11 @@ def build_parser():
            _cli.seed_int, system)
     option("threads", "threads for microtensor's kernels and BLAS; 0 = the libraries' "
            "defaults (all cores)", _cli.nonnegative_int, system)
+    system.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        default=argparse.SUPPRESS,
+                        help="run the training step through mt.compile: its ops are recorded "
+                             "on the first two steps and replayed after, with the same numbers "
+                             "(default: on; off under --ddp)")
     system.add_argument("--ddp", action="store_true",
                         help="data-parallel training over MPI: mpiexec -n N python "
                              "examples/train_char.py --ddp; each rank trains on its own "
@@ -385,6 +390,25 @@ def train(argv, cleanup):
                 return ddp_model(x, y)
         return ddp_model(x, y)
     # --- end ddp
+    # --- the step, in three parts that mt.compile records once and replays: forward and
+    # backward of a micro-batch, clipping, the update. Their results are read (.item())
+    # between the parts, outside the compiled functions, to stop before a NaN spreads.
+    def micro_step(x, y, micro):
+        _, loss = train_forward(x, y, micro)
+        (loss / run["grad_accum"]).backward()   # gradients add up over micro-batches
+        return loss
+
+    def clip_step():
+        return mt.nn.utils.clip_grad_norm_(params, run["grad_clip"])
+
+    def update_step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    compiled = given.get("compile", True) and ddp_model is None   # ddp: no_sync is Python state
+    if compiled:
+        micro_step, clip_step, update_step = (mt.compile(f) for f in (micro_step, clip_step,
+                                                                       update_step))
     tokens_per_iter = run["batch_size"] * run["block_size"] * run["grad_accum"] * world
     n_params = model.num_parameters()
     print(f"{data_name}: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
@@ -393,6 +417,9 @@ def train(argv, cleanup):
           f"n_embd {run['n_embd']}, {run['norm']}, pos {run['pos']}, mlp {run['mlp']}); "
           f"{tokens_per_iter:,} tokens per step; "
           + (f"resuming at iteration {iter_num}" if checkpoint else f"{run['max_iters']} steps"))
+    if compiled:
+        print("step: mt.compile records it on the first two steps and replays it after "
+              "(--no-compile: eager)")
 
     # -------------------------------------------------------------------------
     # evaluation, logging, checkpoints
@@ -576,17 +603,14 @@ def train(argv, cleanup):
                 mt.manual_seed(int(batch_rng.integers(2**62)))
             for micro in range(run["grad_accum"]):
                 x, y = get_batch("train", batch_rng)
-                _, loss = train_forward(x, y, micro)
-                loss_value = loss.item()
-                if not math.isfinite(loss_value):   # stop before the step spreads it
+                loss_value = micro_step(x, y, micro).item()
+                if not math.isfinite(loss_value):   # stop before the update spreads it
                     stop_diverged(f"the training loss is {loss_value}")
-                (loss / run["grad_accum"]).backward()  # gradients add up over micro-batches
             if run["grad_clip"] > 0:
-                grad_norm = mt.nn.utils.clip_grad_norm_(params, run["grad_clip"]).item()
+                grad_norm = clip_step().item()
                 if not math.isfinite(grad_norm):
                     stop_diverged(f"the gradient norm is {grad_norm}")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            update_step()
             iter_num += 1
 
             dt = time.perf_counter() - t0

@@ -91,8 +91,13 @@ class Plan:
                          + (f"  -> {outs}" if outs else ""))
             nodes = [n for n in rec.info if isinstance(n, str)]
             if nodes:
-                lines.append(f"        runs {len(nodes)} backward rules: " + ", ".join(nodes))
-        lines.append("memory: each call allocates its results as eager mode does (no arena yet)")
+                counts = {}
+                for n in nodes:
+                    counts[n] = counts.get(n, 0) + 1
+                kinds = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
+                lines.append(f"        runs {len(nodes)} backward rules: {kinds}")
+        lines.append("memory: the replay drops each tensor after its last call (so backward frees "
+                     "as it goes); each op allocates its results as in eager mode (no shared arena)")
         return "\n".join(lines)
 
     def summary(self):
