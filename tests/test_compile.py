@@ -283,9 +283,6 @@ def test_setting_grad_in_the_function_runs_eagerly():
     assert call.calls["replayed"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="bug: recorder._where() drops one frame too many "
-                   "(traceback.extract_stack()[:-3]), so the refusal names the caller's line, "
-                   "not the line of the function that read the value")
 def test_refusal_names_the_functions_own_line():
     lin = mt.nn.Linear(3, 2)
 
@@ -349,10 +346,6 @@ def test_a_generator_argument_gives_eager_results():
     assert g.calls["replayed"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="bug: compiled._key hashes a generator argument by "
-                   "identity, so each call is a new key that records (pending recordings "
-                   "pile up in _pending) until max_plans is hit; it should refuse at once, "
-                   "naming the generator")
 def test_a_generator_argument_is_refused_at_once():
     lin = mt.nn.Linear(3, 2)
     g = mt.compile(lambda params: mt.stack([p.sum() for p in params]).sum())
@@ -379,9 +372,6 @@ def test_max_plans_exceeded_runs_eagerly():
     assert all("max_plans" in r for r in g.eager_reasons.values())
 
 
-@pytest.mark.xfail(strict=True, reason="bug: CompiledFunction.__call__ counts a key's own "
-                   "pending first recording against max_plans, so that key's second call is "
-                   "refused (max_plans=1 never makes a plan; max_plans=2 makes only one)")
 def test_max_plans_counts_plans_not_the_pending_key():
     lin = mt.nn.Linear(3, 2)
 

@@ -25,6 +25,7 @@ than `training`, and numbers passed as arguments (a new value is a new key), are
 constants of the plan.
 """
 import functools
+import types
 import warnings
 
 from microtensor import _core
@@ -63,7 +64,8 @@ class CompiledFunction:
             if plan.holds():
                 self.calls["replayed"] += 1
                 return plan.replay(args, kwargs)
-        if sum(len(p) for p in self._plans.values()) + len(self._pending) >= self.max_plans:
+        waiting = len(self._pending) - (key in self._pending)   # other keys' first calls
+        if sum(len(p) for p in self._plans.values()) + waiting >= self.max_plans:
             return self._run_eagerly(key, f"more than max_plans={self.max_plans} plans "
                                           "(shapes or arguments keep changing)", args, kwargs)
         return self._record(key, args, kwargs)
@@ -102,7 +104,8 @@ class CompiledFunction:
     def _run_eagerly(self, key, reason, args, kwargs):
         if key is not None:
             self._give_up(key, reason)
-        else:
+        else:       # no key to remember it by: listed under the reason itself
+            self._eager[("no key", reason)] = reason
             warnings.warn(f"mt.compile: running eagerly: {reason}", RuntimeWarning, stacklevel=3)
         self.calls["eager"] += 1
         return self.fn(*args, **kwargs)
@@ -152,6 +155,8 @@ def _key(value):
         return (type(value).__name__,) + tuple(_key(v) for v in value)
     if isinstance(value, dict):
         return ("dict",) + tuple((k, _key(v)) for k, v in sorted(value.items()))
+    if isinstance(value, types.GeneratorType):
+        raise TypeError("a generator is used up by the call; pass a list")
     hash(value)
     return value
 

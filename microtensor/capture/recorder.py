@@ -258,7 +258,7 @@ def _label(holder, name):
 
 def _where():
     """', at file:line' of the innermost frame outside microtensor's own code."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
+    for frame in reversed(traceback.extract_stack()[:-1]):
         if "/microtensor/" not in frame.filename.replace("\\", "/"):
             return f", at {frame.filename}:{frame.lineno} ({frame.line})"
     return ""
