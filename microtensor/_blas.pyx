@@ -76,7 +76,7 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
                           beta, c + <Py_ssize_t>r0 * N, N)
 
 
-cdef tuple _operand(object x):
+cdef tuple _gemm_storage(object x):
     """(C-contiguous storage, transposed?) for a 2-D array: a transposed view of a
     contiguous array is passed as that array plus a 'T' flag, anything else is copied."""
     if x.flags.c_contiguous:
@@ -115,8 +115,8 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
         else:
             out *= beta
         return out
-    a_st, ta = _operand(a)
-    b_st, tb = _operand(b)
+    a_st, ta = _gemm_storage(a)
+    b_st, tb = _gemm_storage(b)
     # leading dimensions of the row-major storages
     cdef int lda = a_st.shape[1], ldb = b_st.shape[1]
     # NOTE: not bounded_threads: the row split can change float32 bits (OpenBLAS picks its

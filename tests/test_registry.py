@@ -152,12 +152,6 @@ COVERED_AS = {
     "getitem": "index_slice",                            # the index_* rows
     "clip": "clamp",                                     # the same function as clamp
 }
-# Core ops WITH a gradient and no table line yet (a known gap; add the line, then drop
-# the name here: test_known_gaps_are_still_gaps fails once a line exists).
-NOT_IN_THE_TABLE_YET = {
-    "remainder", "std", "amin", "min", "maximum", "minimum", "logsumexp",
-    "index_select", "view_as", "reshape_as", "expand_as",
-}
 
 
 def in_table(name):
@@ -170,7 +164,7 @@ def core_rows():
 
 def test_every_core_op_with_a_gradient_has_a_table_line():
     missing = [r.name for r in core_rows()
-               if r.name not in NO_GRADIENT | set(COVERED_AS) | NOT_IN_THE_TABLE_YET
+               if r.name not in NO_GRADIENT | set(COVERED_AS)
                and not in_table(r.name)]
     assert not missing, f"core ops with a gradient but no line in tests/test_ops.py OPS: {missing}"
     for name, key in COVERED_AS.items():
@@ -179,13 +173,8 @@ def test_every_core_op_with_a_gradient_has_a_table_line():
 
 def test_the_exclusions_name_real_rows():
     names = {r.name for r in core_rows()}
-    stale = sorted((NO_GRADIENT | set(COVERED_AS) | NOT_IN_THE_TABLE_YET) - names)
+    stale = sorted((NO_GRADIENT | set(COVERED_AS)) - names)
     assert not stale, f"excluded names that are no core row: {stale}"
-
-
-def test_known_gaps_are_still_gaps():
-    filled = sorted(name for name in NOT_IN_THE_TABLE_YET if in_table(name))
-    assert not filled, f"these have a table line now; drop them from NOT_IN_THE_TABLE_YET: {filled}"
 
 
 @pytest.mark.parametrize("name", sorted(NO_GRADIENT - {"is_contiguous"}))
