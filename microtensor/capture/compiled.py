@@ -37,7 +37,7 @@ from microtensor.capture.plan import Plan, compare
 class CompiledFunction:
     """A function with its plans (see the module docstring)."""
 
-    def __init__(self, fn, max_plans=8, verbose=False):
+    def __init__(self, fn, max_plans=8, verbose=False, arena=True):
         if not callable(fn):
             raise TypeError(f"mt.compile needs a callable, got {type(fn).__name__}")
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
@@ -45,6 +45,7 @@ class CompiledFunction:
         self.fn = fn
         self.max_plans = max_plans
         self.verbose = verbose
+        self.arena = bool(arena)
         self._plans = {}        # key -> list of Plan (one per set of guard values)
         self._pending = {}      # key -> the first call's (recorder, plan), awaiting the second
         self._eager = {}        # key -> why this key runs eagerly
@@ -81,7 +82,7 @@ class CompiledFunction:
         if recorder.refused:
             self._give_up(key, recorder.refused)
             return result
-        plan = Plan(recorder, inputs, result_template)
+        plan = Plan(recorder, inputs, result_template, arena=self.arena)
         first = self._pending.pop(key, None)
         if first is None:
             self._pending[key] = plan       # the second call records again and compares
@@ -131,7 +132,7 @@ class CompiledFunction:
                 f"calls {self.calls}>")
 
 
-def compile(fn=None, *, max_plans=8, verbose=False, **torch_options):
+def compile(fn=None, *, max_plans=8, verbose=False, arena=True, **torch_options):
     """Record `fn`'s ops on its first two calls and replay them after (see
     microtensor/capture/compiled.py). Works as `mt.compile(fn)` and as `@mt.compile`.
     torch.compile's options (mode=, fullgraph=, dynamic=, backend=) are accepted and
@@ -143,8 +144,8 @@ def compile(fn=None, *, max_plans=8, verbose=False, **torch_options):
     if torch_options.get("disable"):
         return fn if fn is not None else (lambda f: f)
     if fn is None:
-        return lambda f: CompiledFunction(f, max_plans=max_plans, verbose=verbose)
-    return CompiledFunction(fn, max_plans=max_plans, verbose=verbose)
+        return lambda f: CompiledFunction(f, max_plans=max_plans, verbose=verbose, arena=arena)
+    return CompiledFunction(fn, max_plans=max_plans, verbose=verbose, arena=arena)
 
 
 def _key(value):

@@ -10,6 +10,7 @@ import time
 
 from microtensor import _core
 from microtensor.capture.recorder import Slot, Seq, resolve, same_constant
+from microtensor.capture.memory import Memory
 from microtensor._core import Tensor
 
 _FLOP_LABELS = ("matmul", "F.linear", "F.scaled_dot_product_attention", "bmm", "mm")
@@ -19,7 +20,7 @@ class Plan:
     """The records of one recording, the slots its inputs fill, the result's template
     and the guards (module modes) it holds under."""
 
-    def __init__(self, recorder, inputs, result):
+    def __init__(self, recorder, inputs, result, arena=True):
         self.records = recorder.records
         self.slots = len(recorder.alive)
         self.inputs = inputs          # [(path into (args, kwargs), slot)]
@@ -30,6 +31,7 @@ class Plan:
         self.replays = 0
         self.bytes = _output_bytes(recorder)
         self.release = _last_uses(self.records, self.slots, result)
+        self.memory = Memory() if arena else None
 
     def holds(self):
         """Whether the guards (a Module's training flag, ...) still hold."""
@@ -46,6 +48,9 @@ class Plan:
         was = _core.is_grad_enabled()
         mode = was
         clock = time.perf_counter
+        memory = self.memory
+        if memory is not None:
+            memory.begin()
         try:
             release = self.release
             for i, rec in enumerate(self.records):
@@ -67,6 +72,8 @@ class Plan:
                 for slot in release[i]:
                     values[slot] = None
         finally:
+            if memory is not None:
+                memory.end()
             end = was if self.final_grad_mode is None else self.final_grad_mode
             if mode != end:
                 _core.set_grad_enabled_(end)
@@ -96,8 +103,9 @@ class Plan:
                     counts[n] = counts.get(n, 0) + 1
                 kinds = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
                 lines.append(f"        runs {len(nodes)} backward rules: {kinds}")
-        lines.append("memory: the replay drops each tensor after its last call (so backward frees "
-                     "as it goes); each op allocates its results as in eager mode (no shared arena)")
+        lines.append("the replay drops each tensor after its last call (backward frees as it goes)")
+        lines.append(self.memory.describe() if self.memory is not None else
+                     "memory: no arena (each op allocates its results as in eager mode)")
         return "\n".join(lines)
 
     def summary(self):
