@@ -485,3 +485,87 @@ def test_ops_of_another_thread_are_not_recorded():
     assert labels == ["mul", "add"], labels
     assert all(_same(o.numpy(), (x * 2 + 1).numpy()) for o in outs)
     assert _same(g(x).numpy(), (x * 2 + 1).numpy()) and g.calls["replayed"] == 1
+
+
+# ---- memory planning: the arena ----------------------------------------------------------
+
+def test_the_arena_serves_the_plan_and_changes_no_number():
+    """From the second replay on, allocations come from one arena smaller than the sum
+    of what they would take apart; parameters stay bit for bit those of arena=False."""
+    results = {}
+    for arena in (True, False):
+        mt.manual_seed(3)
+        model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                              dropout=0.1))
+        opt = mt.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = mt.compile(step, arena=arena)
+        rng = np.random.default_rng(0)
+        losses = []
+        for _ in range(7):
+            x, y = (mt.from_numpy(rng.integers(0, 65, (4, 16))) for _ in range(2))
+            losses.append(step(x, y).item())
+        results[arena] = (losses, [p.numpy().copy() for p in model.parameters()], step.plan)
+    assert results[True][0] == results[False][0]
+    for a, b in zip(results[True][1], results[False][1]):
+        assert np.array_equal(a, b)
+    memory = results[True][2].memory
+    hits, _ = memory.arena.counts
+    assert memory.state == "serve" and hits > 0
+    assert 0 < memory.arena.capacity < memory.unshared
+    assert "one arena of" in str(results[True][2])
+    assert results[False][2].memory is None
+
+
+def test_an_arena_block_still_alive_is_never_handed_out_again():
+    from microtensor._arena import Arena
+    from microtensor.capture.memory import place, conflicts
+    arena = Arena()
+    arena.start("log")
+    a = np.empty(1000)
+    del a
+    b = np.empty(1000)
+    del b
+    arena.stop()
+    sizes, alloc, freed = arena.log()
+    assert len(sizes) == 2 and (freed >= 0).all()
+    offsets, planned, capacity = place(sizes, alloc, freed)
+    assert offsets[0] == offsets[1]             # lifetimes apart: one block for both
+    arena.set_plan(offsets, planned, *conflicts(offsets, planned), capacity)
+    arena.start("serve")
+    try:
+        a = np.empty(1000)                      # served: allocation 0 of the plan
+        b = np.empty(1000)                      # planned onto a's block, but a is alive
+    finally:
+        arena.stop()
+    assert arena.counts == (1, 1)
+    a[:] = 0.0
+    b[:] = 1.0
+    assert not np.shares_memory(a, b) and a.sum() == 0 and b.sum() == 1000
+
+
+def test_the_arena_refuses_a_bad_plan():
+    from microtensor._arena import Arena
+    arena = Arena()
+    ok = dict(offsets=[0], sizes=[64], conflict_ptr=[0, 0], conflicts=[], capacity=128)
+    for bad, error in [(dict(offsets=[0, 1]), ValueError), (dict(sizes=[-1]), ValueError),
+                       (dict(capacity=64), ValueError), (dict(conflict_ptr=[0, 1]), ValueError),
+                       (dict(conflict_ptr=[0, 1], conflicts=[5]), ValueError)]:
+        args = {**ok, **bad}
+        with pytest.raises(error):
+            arena.set_plan(args["offsets"], args["sizes"], args["conflict_ptr"],
+                           args["conflicts"], args["capacity"])
+    with pytest.raises(RuntimeError, match="no plan"):
+        arena.start("serve")
+    with pytest.raises(ValueError, match="mode"):
+        arena.start("fast")
+    arena.set_plan(ok["offsets"], ok["sizes"], ok["conflict_ptr"], ok["conflicts"], ok["capacity"])
+    with pytest.raises(RuntimeError, match="once"):
+        arena.set_plan(ok["offsets"], ok["sizes"], ok["conflict_ptr"], ok["conflicts"], ok["capacity"])
