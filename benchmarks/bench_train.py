@@ -1,4 +1,5 @@
-"""Training speed of the GPT: microtensor vs PyTorch eager, side by side.
+"""Training speed of the GPT: microtensor (eager and mt.compile) vs PyTorch (eager and
+torch.compile), side by side.
 
 The same nanoGPT-architecture model (pre-norm LayerNorm, learned positions, GELU MLP,
 tied embedding / output weights, biases) trained on the same character corpus with
@@ -9,8 +10,22 @@ in one process, so both see the same machine; before each round the process wait
 until no thread pool left spinning by the other engine is still burning CPU
 (_common.quiesce).
 
-Reported per engine: median ms/step and its spread (IQR), tokens/s, the ratio
-microtensor / PyTorch, and achieved GFLOP/s of the step's matrix products:
+Engines (--engines, default all four; --no-torch drops both torch ones):
+  mt              microtensor eager
+  mt-compiled     mt.compile of the whole step (forward, zero_grad, backward, clip, AdamW;
+                  the loss tensor is returned, .item() runs after the call); at least 3
+                  untimed calls (record, record and compare, replay) before the timing
+  torch           PyTorch eager
+  torch-compiled  torch.compile(model) (inductor: forward and, through AOTAutograd, the
+                  backward; zero_grad, clip and AdamW eager). Its first call (compilation)
+                  is timed alone and printed; if it raises, the engine shows as n/a with
+                  the reason and the rest goes on. Not in a thread sweep.
+Every engine starts from the same weights and times the same batches, so the losses of
+mt and mt-compiled must be bitwise equal ("mt compiled == eager: True").
+
+Reported per engine: median ms/step and its spread (IQR), tokens/s, the ratio of each
+engine to PyTorch eager (and to torch.compile), and achieved GFLOP/s of the step's
+matrix products:
 
     FLOPs/step = 3 * (n_layer * (24*M*C^2 + 4*B*T^2*C) + 2*M*C*V),  M = B*T
 
@@ -82,8 +97,13 @@ def make_batches(data, n, batch_size, block_size, seed):
 
 # ---- the two engines -------------------------------------------------------------
 
-def build_mt(cfg, vocab_size, seed, dtype="float32"):
-    """A microtensor GPT, its AdamW (weight decay on matrices only) and a step fn."""
+def build_mt(cfg, vocab_size, seed, dtype="float32", compiled=False):
+    """A microtensor GPT, its AdamW (weight decay on matrices only) and a step fn.
+
+    compiled=True: the step (forward, zero_grad, backward, clip, AdamW) is one function
+    under mt.compile, taking the batch tensors and returning the loss tensor; the
+    returned step fn converts the batch and calls .item() outside it. The compiled fn
+    is the step fn's .compiled (its .plan.summary() splits a replayed step by op)."""
     import microtensor as mt
     from models import GPT, GPTConfig
     mt.manual_seed(seed)
@@ -98,6 +118,24 @@ def build_mt(cfg, vocab_size, seed, dtype="float32"):
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
         lr=LR, betas=BETAS, eps=1e-8)
     clip = mt.nn.utils.clip_grad_norm_
+
+    if compiled:
+        def train_step(xb, yb):
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(xb, yb)
+            loss.backward()
+            # looked up at the call, not aliased at build time: mt.compile records
+            # clip_grad_norm_ as one call through the module attribute (an alias taken
+            # before would run its numpy insides unrecorded, and the plan falls back)
+            mt.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+            opt.step()
+            return loss
+        compiled_step = mt.compile(train_step)
+
+        def step(x, y, prof=None):
+            return compiled_step(mt.from_numpy(x), mt.from_numpy(y)).item()
+        step.compiled = compiled_step
+        return model, step
 
     def step(x, y, prof=None):
         region = prof.region if prof is not None else _no_region
@@ -116,8 +154,12 @@ def build_mt(cfg, vocab_size, seed, dtype="float32"):
     return model, step
 
 
-def build_torch(torch, mt_model=None, cfg=None, vocab_size=None, dtype="float32"):
-    """The torch GPT (weights copied from mt_model when given), AdamW, a step fn."""
+def build_torch(torch, mt_model=None, cfg=None, vocab_size=None, dtype="float32",
+                compiled=False):
+    """The torch GPT (weights copied from mt_model when given), AdamW, a step fn.
+
+    compiled=True: the model's forward (and with it the backward, through AOTAutograd)
+    runs under torch.compile (inductor); zero_grad, clip and AdamW stay eager."""
     import torch_gpt
     tdtype = torch.float64 if dtype == "float64" else torch.float32
     if mt_model is not None:
@@ -127,12 +169,13 @@ def build_torch(torch, mt_model=None, cfg=None, vocab_size=None, dtype="float32"
                                    cfg["n_head"], cfg["n_embd"]).to(tdtype)
     opt = torch_gpt.configure_optimizer(model, LR, WEIGHT_DECAY, BETAS)
     params = list(model.parameters())
+    forward = torch.compile(model) if compiled else model
 
     def step(x, y, prof=None):
         region = prof.region if prof is not None else _no_region
         xb, yb = torch.from_numpy(x), torch.from_numpy(y)
         with region("forward"):
-            _, loss = model(xb, yb)
+            _, loss = forward(xb, yb)
         with region("zero_grad"):
             opt.zero_grad(set_to_none=True)
         with region("backward"):
@@ -143,6 +186,110 @@ def build_torch(torch, mt_model=None, cfg=None, vocab_size=None, dtype="float32"
             opt.step()
         return loss.item()
     return model, step
+
+
+# ---- the engines -----------------------------------------------------------------
+
+# --engines names -> the engine's key in tables and JSON (the old keys kept)
+ENGINE_KEYS = {"mt": "microtensor", "mt-compiled": "microtensor-compiled",
+               "torch": "torch", "torch-compiled": "torch-compiled"}
+ENGINE_ORDER = list(ENGINE_KEYS.values())
+COMPILED = ("microtensor-compiled", "torch-compiled")
+MIN_COMPILED_WARMUP = 3   # untimed calls of a compiled engine: record, record + compare, replay
+
+
+def parse_engines(text, no_torch=False):
+    """'mt,torch' -> ['microtensor', 'torch'] in the canonical order; --no-torch drops
+    both torch engines. ValueError on an unknown name."""
+    keys = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key = ENGINE_KEYS.get(part, part if part in ENGINE_ORDER else None)
+        if key is None:
+            raise ValueError(f"unknown engine {part!r}; choose from {', '.join(ENGINE_KEYS)}")
+        keys.append(key)
+    if no_torch:
+        keys = [k for k in keys if not k.startswith("torch")]
+    keys = [k for k in ENGINE_ORDER if k in keys]
+    if not keys:
+        raise ValueError("no engine left to run (--engines / --no-torch)")
+    return keys
+
+
+def effective_warmup(name, args, engines):
+    """The untimed steps of every engine: the config's default (or --warmup), at least
+    MIN_COMPILED_WARMUP when a compiled engine runs. All engines get the same number, so
+    they time the same batches from the same weights (and the two microtensor engines
+    compute the same losses)."""
+    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    if any(e in COMPILED for e in engines):
+        warmup = max(warmup, MIN_COMPILED_WARMUP)
+    return warmup
+
+
+def build_engines(cfg, vocab, seed, selected, torch):
+    """(mt_model, {engine: step fn}) for the selected engines that can run: every model
+    starts from the same weights (microtensor's, at `seed`); torch engines need torch."""
+    mt_model, mt_step = build_mt(cfg, vocab, seed)
+    engines = {}
+    for e in selected:
+        if e == "microtensor":
+            engines[e] = mt_step
+        elif e == "microtensor-compiled":
+            _, engines[e] = build_mt(cfg, vocab, seed, compiled=True)
+        elif torch is not None:
+            _, engines[e] = build_torch(torch, mt_model, compiled=(e == "torch-compiled"))
+    return mt_model, engines
+
+
+def first_call(engines, name, x, y, notes):
+    """The first call of engine `name`, timed; a torch.compile that fails there is
+    dropped from `engines` with its reason in notes (the benchmark goes on)."""
+    step = engines[name]
+    t0 = time.perf_counter()
+    try:
+        step(x, y)
+    except Exception as exc:  # noqa: BLE001  (any failure of the compiler)
+        if name != "torch-compiled":
+            raise
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        notes["torch_compile"] = {"error": reason}
+        del engines[name]
+        print(f"# torch.compile: n/a ({reason})", flush=True)
+        return None
+    dt = time.perf_counter() - t0
+    if name == "torch-compiled":
+        notes["torch_compile"] = {"first_call_s": dt}
+        print(f"# torch.compile first call: {dt:.1f} s", flush=True)
+    return dt
+
+
+def compiled_equal(losses):
+    """Whether the compiled microtensor engine's losses equal eager's bitwise (None when
+    one of them did not run)."""
+    a, b = losses.get("microtensor"), losses.get("microtensor-compiled")
+    if a is None or b is None:
+        return None
+    return len(a) == len(b) and np.array_equal(np.array(a, dtype=np.float64),
+                                               np.array(b, dtype=np.float64))
+
+
+def add_ratios(result, ms):
+    """The ratio keys of a result, from {engine: median ms} (the old key kept)."""
+    t, tc = ms.get("torch"), ms.get("torch-compiled")
+    m, mc = ms.get("microtensor"), ms.get("microtensor-compiled")
+    if t and m:
+        result["ratio_mt_over_torch"] = m / t
+    if t and mc:
+        result["ratio_mt_compiled_over_torch"] = mc / t
+    if t and tc:
+        result["ratio_torch_compiled_over_torch"] = tc / t
+    if tc and mc:
+        result["ratio_mt_compiled_over_torch_compiled"] = mc / tc
+    if tc and m:
+        result["ratio_mt_over_torch_compiled"] = m / tc
 
 
 class _NoRegion:
@@ -195,12 +342,19 @@ def loss_curve(config, steps, seed=0, dtype="float32", engine="microtensor", tex
 
 # ---- timing ----------------------------------------------------------------------
 
-def time_engines(engines, batches, warmup, steps, rounds):
+def time_engines(engines, batches, warmup, steps, rounds, notes=None):
     """Per engine, the wall time of each timed step. engines: {name: step fn}; every
-    engine runs the same batches in the same order."""
-    for name, step in engines.items():
-        for x, y in batches[:warmup]:
-            step(x, y)
+    engine runs the same batches in the same order. The first warm-up call of each
+    engine is timed alone (a compiler's first call: notes); an engine whose
+    torch.compile fails there is dropped from `engines`."""
+    notes = {} if notes is None else notes
+    for name in list(engines):
+        for i, (x, y) in enumerate(batches[:warmup]):
+            if i == 0:
+                if first_call(engines, name, x, y, notes) is None:
+                    break
+            else:
+                engines[name](x, y)
     per_round = max(1, steps // rounds)
     times = {name: [] for name in engines}
     losses = {name: [] for name in engines}
@@ -218,31 +372,38 @@ def time_engines(engines, batches, warmup, steps, rounds):
     return times, losses
 
 
+def _result_engine(s, losses, flops, tokens):
+    return {"ms_median": s["median"] * 1e3, "ms_q1": s["q1"] * 1e3, "ms_q3": s["q3"] * 1e3,
+            "ms_min": s["min"] * 1e3, "ms_max": s["max"] * 1e3,
+            "tokens_per_s": tokens / s["median"], "gflops": flops / s["median"] / 1e9,
+            "first_losses": losses[:3], "last_loss": losses[-1]}
+
+
 def run_config(name, args, text, torch):
     cfg = C.CONFIGS[name]
     data, vocab = encode_corpus(text)
     steps = args.steps or DEFAULT_STEPS[name]
-    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    warmup = effective_warmup(name, args, args.engines)
     batches = make_batches(data, warmup + steps, cfg["batch_size"], cfg["block_size"], args.seed)
-    mt_model, mt_step = build_mt(cfg, vocab, args.seed)
-    engines = {"microtensor": mt_step}
-    if torch is not None:
-        _, engines["torch"] = build_torch(torch, mt_model)
-    times, losses = time_engines(engines, batches, warmup, steps, args.rounds)
+    mt_model, engines = build_engines(cfg, vocab, args.seed, args.engines, torch)
+    notes = {}
+    times, losses = time_engines(engines, batches, warmup, steps, args.rounds, notes)
     flops = C.step_flops(cfg, vocab)
     tokens = cfg["batch_size"] * cfg["block_size"]
     stats = {e: C.summary(ts) for e, ts in times.items()}
     result = {"config": name, "cfg": cfg, "vocab_size": vocab, "steps": steps,
               "warmup": warmup, "rounds": args.rounds, "step_gflop": flops / 1e9,
-              "params": mt_model.num_parameters(), "engines": {}}
+              "params": mt_model.num_parameters(), "engines": {}, **notes}
     for e, s in stats.items():
-        result["engines"][e] = {
-            "ms_median": s["median"] * 1e3, "ms_q1": s["q1"] * 1e3, "ms_q3": s["q3"] * 1e3,
-            "ms_min": s["min"] * 1e3, "ms_max": s["max"] * 1e3,
-            "tokens_per_s": tokens / s["median"], "gflops": flops / s["median"] / 1e9,
-            "first_losses": losses[e][:3], "last_loss": losses[e][-1]}
-    if "torch" in stats:
-        result["ratio_mt_over_torch"] = stats["microtensor"]["median"] / stats["torch"]["median"]
+        result["engines"][e] = _result_engine(s, losses[e], flops, tokens)
+    add_ratios(result, {e: s["median"] for e, s in stats.items()})
+    eq = compiled_equal(losses)
+    if eq is not None:
+        result["mt_compiled_equals_eager"] = bool(eq)
+    compiled_fn = getattr(engines.get("microtensor-compiled"), "compiled", None)
+    if compiled_fn is not None:
+        result["mt_compiled_calls"] = dict(compiled_fn.calls)
+        result["mt_compiled_eager_reasons"] = [str(r) for r in compiled_fn.eager_reasons.values()]
     if args.ceiling:
         import bench_matmul
         ceiling, _, _ = bench_matmul.step_ceiling(cfg, vocab, torch, repeats=3)
@@ -250,9 +411,18 @@ def run_config(name, args, text, torch):
     return result
 
 
+def _ratio(r, key):
+    return f"{r[key]:.2f}" if key in r else ""
+
+
 def print_results(results):
     headers = ["config", "params", "engine", "ms/step (median)", "IQR ms", "min-max ms",
-               "tokens/s", "GFLOP/s", "mt/torch"]
+               "tokens/s", "GFLOP/s", "/ torch eager", "/ torch.compile"]
+    vs_torch = {"microtensor": "ratio_mt_over_torch",
+                "microtensor-compiled": "ratio_mt_compiled_over_torch",
+                "torch-compiled": "ratio_torch_compiled_over_torch"}
+    vs_compile = {"microtensor": "ratio_mt_over_torch_compiled",
+                  "microtensor-compiled": "ratio_mt_compiled_over_torch_compiled"}
     rows = []
     for r in results:
         for e, s in r["engines"].items():
@@ -260,7 +430,10 @@ def print_results(results):
                 r["config"], f"{r['params'] / 1e6:.2f}M" if r["params"] else "", e, f"{s['ms_median']:.1f}",
                 f"{s['ms_q1']:.1f}-{s['ms_q3']:.1f}", f"{s['ms_min']:.1f}-{s['ms_max']:.1f}",
                 f"{s['tokens_per_s']:,.0f}", f"{s['gflops']:.1f}",
-                f"{r['ratio_mt_over_torch']:.2f}" if e == "microtensor" and "ratio_mt_over_torch" in r else ""])
+                _ratio(r, vs_torch[e]) if e in vs_torch else "",
+                _ratio(r, vs_compile[e]) if e in vs_compile else ""])
+            if e == "torch" and "error" in r.get("torch_compile", {}):
+                rows.append([r["config"], "", "torch-compiled", "n/a", "", "", "", "", "", ""])
     print(C.table(headers, rows))
     for r in results:
         line = (f"{r['config']}: {r['step_gflop']:.3f} GFLOP of matmul per step; "
@@ -269,7 +442,8 @@ def print_results(results):
         if "matmul_ceiling" in r:
             # each engine against its own library's ceiling: microtensor's matmuls run on
             # numpy's OpenBLAS kernels (via scipy's copy), torch's on its own
-            own = {"microtensor": "numpy", "torch": "torch"}
+            own = {"microtensor": "numpy", "microtensor-compiled": "numpy",
+                   "torch": "torch", "torch-compiled": "torch"}
             for e, s in r["engines"].items():
                 c = r["matmul_ceiling"].get(own[e])
                 if c:
@@ -277,8 +451,22 @@ def print_results(results):
                              f"of the {own[e]} matmul ceiling {c['gflops']:.1f} GFLOP/s "
                              f"({c['ms']:.1f} ms)")
         print(line)
+        tc = r.get("torch_compile", {})
+        if "first_call_s" in tc:
+            print(f"  torch.compile first call: {tc['first_call_s']:.1f} s")
+        elif "error" in tc:
+            print(f"  torch.compile: n/a ({tc['error']})")
         losses = {e: s["first_losses"] for e, s in r["engines"].items()}
         print(f"  first losses: {json.dumps({e: [round(v, 5) for v in ls] for e, ls in losses.items()})}")
+        if "mt_compiled_calls" in r:
+            c = r["mt_compiled_calls"]
+            print(f"  mt.compile calls: {c['recorded']} recorded, {c['replayed']} replayed, "
+                  f"{c['eager']} eager" + (" (the plan fell back to eager: "
+                                           + "; ".join(r["mt_compiled_eager_reasons"])[:300] + ")"
+                                           if c["eager"] else ""))
+        if "mt_compiled_equals_eager" in r:
+            print(f"  mt compiled == eager: {r['mt_compiled_equals_eager']} "
+                  f"(losses of the {r['steps']} timed steps, compared bitwise)")
 
 
 # ---- peak memory (child processes) ------------------------------------------------
@@ -291,7 +479,7 @@ def child_main(args):
     imports microtensor's model code); for --isolate (args.same_init) it copies
     microtensor's initial weights, as the in-process comparison does."""
     engine = args.child
-    torch = C.try_import_torch() if engine == "torch" else None
+    torch = C.try_import_torch() if engine.startswith("torch") else None
     import microtensor as mt  # noqa: F401  (the mt child never imports torch)
     C.setup_threads(args.threads, torch, args.scipy_blas_threads)
     text, _ = C.load_text(args.data)
@@ -299,24 +487,37 @@ def child_main(args):
     data, vocab = encode_corpus(text)
     steps = args.steps or DEFAULT_STEPS[args.config]
     warmup = args.warmup or 0
+    if engine in COMPILED:   # the peak covers the recording and the replays
+        warmup = max(warmup, MIN_COMPILED_WARMUP)
     batches = make_batches(data, warmup + steps, cfg["batch_size"], cfg["block_size"], args.seed)
     rss_before = C.current_rss()
-    if engine == "microtensor":
-        _, step = build_mt(cfg, vocab, args.seed)
+    compiled = engine in COMPILED
+    if engine.startswith("microtensor"):
+        _, step = build_mt(cfg, vocab, args.seed, compiled=compiled)
     elif args.same_init:
         mt_model, _ = build_mt(cfg, vocab, args.seed)
-        _, step = build_torch(torch, mt_model)
+        _, step = build_torch(torch, mt_model, compiled=compiled)
         del mt_model
     else:
-        _, step = build_torch(torch, cfg=cfg, vocab_size=vocab)
+        _, step = build_torch(torch, cfg=cfg, vocab_size=vocab, compiled=compiled)
     times, losses = [], []
     for i, (x, y) in enumerate(batches):
         t0 = time.perf_counter()
-        losses.append(step(x, y))
+        try:
+            losses.append(step(x, y))
+        except Exception as exc:  # noqa: BLE001  (a torch.compile that fails)
+            if not (i == 0 and engine == "torch-compiled"):
+                raise
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            print(json.dumps({"engine": engine, "error": reason}))
+            return
+        if i == 0:
+            first_s = time.perf_counter() - t0
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     print(json.dumps({"engine": engine, "rss_before_model": rss_before,
-                      "rss_end": C.current_rss(), "times": times, "losses": losses}))
+                      "rss_end": C.current_rss(), "times": times, "losses": losses,
+                      "first_call_s": first_s}))
 
 
 def _child_argv(engine, name, args, steps=None, warmup=None, same_init=False):
@@ -341,17 +542,27 @@ def isolated(name, args, torch):
     the rounds alternate child processes A B A B ...; each child warms up first."""
     cfg = C.CONFIGS[name]
     steps = args.steps or DEFAULT_STEPS[name]
-    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    warmup = effective_warmup(name, args, args.engines)
     per_round = max(1, steps // args.rounds)
-    engines = ["microtensor"] + (["torch"] if torch is not None else [])
+    engines = [e for e in args.engines if torch is not None or not e.startswith("torch")]
     times = {e: [] for e in engines}
     losses = {e: [] for e in engines}
+    notes = {}
     done = 0
     while done < steps:
         n = min(per_round, steps - done)
-        for e in engines:
+        for e in list(engines):
             _, out = C.run_child_peak_rss(_child_argv(e, name, args, n, warmup, same_init=True))
             child = json.loads(out.strip().splitlines()[-1])
+            if "error" in child:
+                notes["torch_compile"] = {"error": child["error"]}
+                print(f"# torch.compile: n/a ({child['error']})", flush=True)
+                engines.remove(e)
+                del times[e], losses[e]
+                continue
+            if e == "torch-compiled" and "torch_compile" not in notes:
+                notes["torch_compile"] = {"first_call_s": child["first_call_s"]}
+                print(f"# torch.compile first call: {child['first_call_s']:.1f} s", flush=True)
             times[e] += child["times"]
             losses[e] += child["losses"]
         done += n
@@ -361,40 +572,44 @@ def isolated(name, args, torch):
     tokens = cfg["batch_size"] * cfg["block_size"]
     result = {"config": name, "cfg": cfg, "vocab_size": vocab, "steps": steps, "warmup": warmup,
               "rounds": args.rounds, "step_gflop": flops / 1e9, "isolated": True,
-              "params": None, "engines": {}}
+              "params": None, "engines": {}, **notes}
     for e in engines:
-        s = C.summary(times[e])
-        result["engines"][e] = {
-            "ms_median": s["median"] * 1e3, "ms_q1": s["q1"] * 1e3, "ms_q3": s["q3"] * 1e3,
-            "ms_min": s["min"] * 1e3, "ms_max": s["max"] * 1e3,
-            "tokens_per_s": tokens / s["median"], "gflops": flops / s["median"] / 1e9,
-            "first_losses": losses[e][:3], "last_loss": losses[e][-1]}
-    if "torch" in times:
-        result["ratio_mt_over_torch"] = (result["engines"]["microtensor"]["ms_median"] /
-                                         result["engines"]["torch"]["ms_median"])
+        result["engines"][e] = _result_engine(C.summary(times[e]), losses[e], flops, tokens)
+    add_ratios(result, {e: s["ms_median"] for e, s in result["engines"].items()})
+    eq = compiled_equal(losses)
+    if eq is not None:
+        result["mt_compiled_equals_eager"] = bool(eq)
     return result
 
 
 def memory(names, args):
     rows, out = [], {}
-    engines = ["microtensor"] + (["torch"] if not args.no_torch and C.try_import_torch() else [])
+    have_torch = C.try_import_torch() is not None
+    engines = [e for e in args.engines if have_torch or not e.startswith("torch")]
     for name in names:
         out[name] = {}
         for e in engines:
             peak, stdout = C.run_child_peak_rss(_child_argv(e, name, args))
             child = json.loads(stdout.strip().splitlines()[-1])
+            if "error" in child:
+                print(f"# torch.compile: n/a ({child['error']})", flush=True)
+                out[name][e] = {"error": child["error"]}
+                continue
             out[name][e] = {"peak_rss": peak, "rss_before_model": child["rss_before_model"]}
         for e in engines:
             m = out[name][e]
+            if "error" in m:
+                rows.append([name, e, "n/a", "", "", ""])
+                continue
             ratio = ""
-            if e == "microtensor" and "torch" in out[name]:
+            if e.startswith("microtensor") and "peak_rss" in out[name].get("torch", {}):
                 ratio = f"{m['peak_rss'] / out[name]['torch']['peak_rss']:.2f}"
             rows.append([name, e, f"{m['peak_rss'] / 2**20:.0f}",
                          f"{m['rss_before_model'] / 2**20:.0f}",
                          f"{(m['peak_rss'] - m['rss_before_model']) / 2**20:.0f}", ratio])
     print("\n## peak resident memory of each engine's training loop (own child process)\n")
     print(C.table(["config", "engine", "peak RSS MiB", "RSS before model MiB",
-                   "growth MiB", "mt/torch peak"], rows))
+                   "growth MiB", "peak / torch eager peak"], rows))
     return out
 
 
@@ -423,6 +638,29 @@ def profile(name, args, text, torch):
     ops, regions = prof.summary(steps)
     result = {"config": name, "steps": steps, "ms_per_step": wall * 1e3, "regions": regions,
               "ops": [{"region": r, "op": o, "calls": c, "ms": ms} for r, o, c, ms in ops]}
+    if "microtensor-compiled" in args.engines:
+        # the same steps under mt.compile: MIN_COMPILED_WARMUP untimed calls (record,
+        # record + compare, replay), then the replays the plan times by op
+        _, c_step = build_mt(cfg, vocab, args.seed, compiled=True)
+        c_batches = make_batches(data, MIN_COMPILED_WARMUP + steps, cfg["batch_size"],
+                                 cfg["block_size"], args.seed)
+        for x, y in c_batches[:MIN_COMPILED_WARMUP]:
+            c_step(x, y)
+        plan = c_step.compiled.plan
+        base = plan.replays
+        for rec in plan.records:      # count the timed replays only
+            rec.calls, rec.seconds = 0, 0.0
+        plan.replays = 0
+        C.quiesce()
+        t0 = time.perf_counter()
+        for x, y in c_batches[MIN_COMPILED_WARMUP:]:
+            c_step(x, y)
+        c_wall = (time.perf_counter() - t0) / steps
+        print(f"\n## microtensor compiled (mt.compile), config {name}, {steps} replays, "
+              f"{c_wall * 1e3:.1f} ms/step (after {MIN_COMPILED_WARMUP} untimed calls, "
+              f"{base} of them replays)\n")
+        print(plan.summary())
+        result["compiled"] = {"ms_per_step": c_wall * 1e3, "summary": plan.summary()}
     if torch is not None:
         _, t_step = build_torch(torch, mt_model)
         for x, y in batches[:warmup]:
@@ -480,13 +718,12 @@ def sweep_config(name, counts, args, text, torch):
     cfg = C.CONFIGS[name]
     data, vocab = encode_corpus(text)
     steps = args.steps or DEFAULT_STEPS[name]
-    warmup = DEFAULT_WARMUP[name] if args.warmup is None else args.warmup
+    # torch.compile's kernels keep the thread count of their compilation: no sweep
+    selected = [e for e in args.engines if e != "torch-compiled"]
+    warmup = effective_warmup(name, args, selected)
     batches = make_batches(data, max(1, warmup + steps), cfg["batch_size"],
                            cfg["block_size"], args.seed)
-    mt_model, mt_step = build_mt(cfg, vocab, args.seed)
-    engines = {"microtensor": mt_step}
-    if torch is not None:
-        _, engines["torch"] = build_torch(torch, mt_model)
+    mt_model, engines = build_engines(cfg, vocab, args.seed, selected, torch)
     first = {e: [] for e in engines}   # the first losses each engine computes: same weights,
     cursor = {e: 0 for e in engines}   # same batches, so they agree across engines
 
@@ -533,9 +770,10 @@ def sweep_config(name, counts, args, text, torch):
     for n in counts:
         entry = {"threads": n, "engines": {
             e: _engine_stats(times[(n, e)], losses[(n, e)], flops, tokens) for e in engines}}
-        if "torch" in engines:
-            entry["ratio_mt_over_torch"] = (entry["engines"]["microtensor"]["ms_median"] /
-                                            entry["engines"]["torch"]["ms_median"])
+        add_ratios(entry, {e: s["ms_median"] for e, s in entry["engines"].items()})
+        eq = compiled_equal({e: losses[(n, e)] for e in engines})
+        if eq is not None:
+            entry["mt_compiled_equals_eager"] = bool(eq)
         result["by_threads"].append(entry)
     if not args.no_ceiling:
         import bench_matmul
@@ -559,8 +797,10 @@ def print_sweep(results):
     for r in results:
         base = r["by_threads"][0]["engines"]
         for t in r["by_threads"]:
-            m, tt = t["engines"]["microtensor"], t["engines"].get("torch")
+            m, tt = t["engines"].get("microtensor"), t["engines"].get("torch")
             ceil = t.get("matmul_ceiling", {})
+            if m is None:
+                continue
             rows.append([
                 r["config"], t["threads"], f"{m['ms_median']:.1f}",
                 f"{m['ms_q1']:.1f}-{m['ms_q3']:.1f}",
@@ -573,7 +813,25 @@ def print_sweep(results):
                 f"{base['microtensor']['ms_median'] / m['ms_median']:.2f}x",
                 f"{base['torch']['ms_median'] / tt['ms_median']:.2f}x" if tt else ""])
     print(C.table(headers, rows))
-    if any("torch" in t["engines"] for r in results for t in r["by_threads"]):
+    if any("microtensor-compiled" in t["engines"] for r in results for t in r["by_threads"]):
+        print("\nmicrotensor compiled (mt.compile):\n")
+        rows = []
+        for r in results:
+            for t in r["by_threads"]:
+                c = t["engines"].get("microtensor-compiled")
+                if c is None:
+                    continue
+                rows.append([r["config"], t["threads"], f"{c['ms_median']:.1f}",
+                             f"{c['ms_q1']:.1f}-{c['ms_q3']:.1f}",
+                             _ratio(t, "ratio_mt_compiled_over_torch"),
+                             f"{t['engines']['microtensor']['ms_median'] / c['ms_median']:.2f}x"
+                             if "microtensor" in t["engines"] else "",
+                             t.get("mt_compiled_equals_eager", "")])
+        print(C.table(["config", "threads", "mt-compiled ms/step", "IQR",
+                       "mt-compiled/torch", "speed-up over mt eager",
+                       "mt compiled == eager"], rows))
+    if any("torch" in t["engines"] and "microtensor" in t["engines"]
+           for r in results for t in r["by_threads"]):
         print("\nms per step, microtensor / torch (ratio):\n")
         counts = sorted({t["threads"] for r in results for t in r["by_threads"]})
         rows = []
@@ -607,7 +865,9 @@ def plot_sweep(results, path, title=""):
         return None
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
     style = {"microtensor": dict(color="tab:blue", marker="o"),
-             "torch": dict(color="tab:orange", marker="s")}
+             "microtensor-compiled": dict(color="tab:green", marker="^"),
+             "torch": dict(color="tab:orange", marker="s"),
+             "torch-compiled": dict(color="tab:red", marker="v")}
     for ax, r in zip(axes[0], results):
         counts = [t["threads"] for t in r["by_threads"]]
         tokens = r["tokens_per_step"]
@@ -696,7 +956,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per engine first")
     p.add_argument("--rounds", type=int, default=5, help="alternations A B per engine")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-torch", action="store_true", help="drop both torch engines")
+    p.add_argument("--engines", default=",".join(ENGINE_KEYS),
+                   help="comma-separated engines to run: mt (microtensor eager), mt-compiled "
+                   "(mt.compile of the whole step), torch (PyTorch eager), torch-compiled "
+                   "(torch.compile of the model, inductor); default all four")
     p.add_argument("--scipy-blas-threads", type=int, default=None,
                    help="experiment: threads of scipy's BLAS alone (microtensor calls its gemm inside "
                    "its own threads and pins it to 1; default: leave that pin)")
@@ -722,7 +986,7 @@ def main(argv=None):
     p.add_argument("--isolate", action="store_true",
                    help="run each engine in its own child process (rounds alternate "
                    "processes) instead of both in this one")
-    p.add_argument("--child", choices=["microtensor", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=ENGINE_ORDER, help=argparse.SUPPRESS)
     p.add_argument("--same-init", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -730,6 +994,10 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     args.threads = counts[0]
+    try:
+        args.engines = parse_engines(args.engines, args.no_torch)
+    except ValueError as e:
+        p.error(str(e))
 
     if args.child:
         args.config = args.config.split(",")[0]
@@ -748,7 +1016,13 @@ def main(argv=None):
     if not kept:
         p.error(f"no thread count of {','.join(map(str, counts))} fits the "
                 f"{len(C.available_cpus())} CPUs this process may run on")
-    torch = None if args.no_torch else C.try_import_torch()
+    wants_torch = any(e.startswith("torch") for e in args.engines)
+    torch = C.try_import_torch() if wants_torch else None
+    if wants_torch and torch is None:
+        print("# torch is not installed: the torch engines do not run")
+    if sweep and "torch-compiled" in args.engines:
+        print("# torch-compiled is left out of a thread sweep (its kernels keep the thread "
+              "count they were compiled at); run one --threads per process for it")
     C.setup_threads(kept[0], torch, args.scipy_blas_threads)
     info = C.machine_info(kept if sweep else args.threads, torch)
     info["scipy_blas_threads"] = args.scipy_blas_threads
@@ -772,7 +1046,7 @@ def main(argv=None):
             results = [isolated(n, args, torch) for n in names]
         else:
             results = [run_config(n, args, text, torch) for n in names]
-        how = "each engine in its own process" if args.isolate else "both engines in this process"
+        how = "each engine in its own process" if args.isolate else "all engines in this process"
         print(f"\n## training step (forward + backward + clip + AdamW), threads={args.threads}, "
               f"{how}\n")
         print_results(results)

@@ -79,7 +79,7 @@ def test_bench_matmul_runs():
 
 def test_bench_train_runs():
     out = run_script("bench_train.py", "--config", "tiny", "--steps", "2", "--warmup", "0",
-                     "--rounds", "1", "--threads", "1", "--json")
+                     "--rounds", "1", "--threads", "1", "--engines", "mt,torch", "--json")
     assert "ms/step (median)" in out
     rec = last_json(out)
     (res,) = rec["results"]
@@ -90,6 +90,38 @@ def test_bench_train_runs():
         # same weights, same batches: the first loss is the same number
         assert mt_res["first_losses"][0] == pytest.approx(
             res["engines"]["torch"]["first_losses"][0], rel=1e-5)
+
+
+def test_bench_train_compiled_engine():
+    # mt.compile of the whole step: its row, and the same losses as eager mode, bitwise
+    # (torch.compile left out: its compilation takes tens of seconds)
+    out = run_script("bench_train.py", "--config", "tiny", "--steps", "2", "--warmup", "0",
+                     "--rounds", "1", "--threads", "1", "--engines", "mt,mt-compiled,torch",
+                     "--json")
+    assert "microtensor-compiled" in out
+    assert "mt compiled == eager: True" in out
+    rec = last_json(out)
+    (res,) = rec["results"]
+    assert res["warmup"] >= bench_train.MIN_COMPILED_WARMUP   # record, record, replay
+    assert res["mt_compiled_equals_eager"] is True
+    assert res["mt_compiled_calls"]["eager"] == 0 and res["mt_compiled_calls"]["replayed"] >= 3
+    c = res["engines"]["microtensor-compiled"]
+    assert c["ms_median"] > 0
+    assert c["first_losses"] == res["engines"]["microtensor"]["first_losses"]
+    if "torch" in res["engines"]:
+        assert "ratio_mt_compiled_over_torch" in res and "ratio_mt_over_torch" in res
+    assert "torch-compiled" not in res["engines"] and "torch_compile" not in res
+
+
+def test_bench_train_engines_argument():
+    assert bench_train.parse_engines("mt,mt-compiled,torch,torch-compiled") == [
+        "microtensor", "microtensor-compiled", "torch", "torch-compiled"]
+    assert bench_train.parse_engines("torch-compiled,mt") == ["microtensor", "torch-compiled"]
+    assert bench_train.parse_engines("mt,mt-compiled,torch,torch-compiled", no_torch=True) == [
+        "microtensor", "microtensor-compiled"]
+    for bad in ("jax", "torch", ""):
+        with pytest.raises(ValueError):
+            bench_train.parse_engines(bad, no_torch=(bad == "torch"))
 
 
 @pytest.fixture
@@ -113,7 +145,8 @@ def test_bench_train_thread_sweep(tmp_path, capsys, restore_threads):
     # count above the CPUs, which is skipped
     plot, record = tmp_path / "scaling.png", tmp_path / "sweep.jsonl"
     too_many = len(os.sched_getaffinity(0)) + 1
-    bench_train.main(["--config", "tiny", "--threads", f"1,2,{too_many}", "--steps", "1",
+    bench_train.main(["--config", "tiny", "--engines", "mt,torch",
+                      "--threads", f"1,2,{too_many}", "--steps", "1",
                       "--warmup", "0", "--rounds", "1", "--ceiling-repeats", "1",
                       "--ceiling-min-time", "0", "--json", str(record), "--plot", str(plot)])
     out = capsys.readouterr().out
@@ -171,10 +204,11 @@ def test_bench_train_profile_runs():
 
 def test_bench_train_memory_runs():
     out = run_script("bench_train.py", "--config", "tiny", "--memory", "--steps", "1",
-                     "--threads", "1", "--json")
+                     "--threads", "1", "--engines", "mt,mt-compiled,torch", "--json")
     rec = last_json(out)
-    m = rec["memory"]["tiny"]["microtensor"]
-    assert m["peak_rss"] >= m["rss_before_model"] > 10 * 2**20
+    for e in ("microtensor", "microtensor-compiled"):
+        m = rec["memory"]["tiny"][e]
+        assert m["peak_rss"] >= m["rss_before_model"] > 10 * 2**20
 
 
 # ---- the profiler ---------------------------------------------------------------------------
