@@ -124,9 +124,7 @@ def build_mt(cfg, vocab_size, seed, dtype="float32", compiled=False):
             opt.zero_grad(set_to_none=True)
             _, loss = model(xb, yb)
             loss.backward()
-            # looked up at the call, not aliased at build time: mt.compile records
-            # clip_grad_norm_ as one call through the module attribute (an alias taken
-            # before would run its numpy insides unrecorded, and the plan falls back)
+            # mt.compile records clip_grad_norm_ as one call (capture.recorded_call)
             mt.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
             opt.step()
             return loss

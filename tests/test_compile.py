@@ -3,6 +3,7 @@ recordings, replay the plan after. The numbers of a replay must be the eager num
 bit for bit; what a plan cannot replay must run eagerly, with a warning that says why."""
 import re
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -569,3 +570,27 @@ def test_the_arena_refuses_a_bad_plan():
     arena.set_plan(ok["offsets"], ok["sizes"], ok["conflict_ptr"], ok["conflicts"], ok["capacity"])
     with pytest.raises(RuntimeError, match="once"):
         arena.set_plan(ok["offsets"], ok["sizes"], ok["conflict_ptr"], ok["conflicts"], ok["capacity"])
+
+
+def test_a_reference_taken_before_compile_is_still_one_call():
+    """clip, an optimizer's step and zero_grad are recorded wherever they are called
+    from: an alias taken before mt.compile does not run their insides unrecorded."""
+    lin = mt.nn.Linear(4, 3)
+    opt = mt.optim.SGD(lin.parameters(), lr=0.1)
+    clip, step, zero = mt.nn.utils.clip_grad_norm_, opt.step, opt.zero_grad
+
+    @mt.compile
+    def train(x):
+        zero()
+        lin(x).square().sum().backward()
+        clip(lin.parameters(), 0.5)
+        step()
+
+    x = mt.randn(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            train(x)
+    assert train.calls == {"recorded": 2, "replayed": 2, "eager": 0}
+    labels = [r.label for r in train.plan.records]
+    assert labels[0] == "Optimizer.zero_grad" and labels[-2:] == ["clip_grad_norm_", "SGD.step"]

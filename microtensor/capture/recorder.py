@@ -15,6 +15,7 @@ tensor outside an op (t.grad = None, t[...] = x) is a change no op records. Both
 the core's capture hook, and the recording is marked as not replayable, with the
 reason and the line of the function's code.
 """
+import functools
 import threading
 import traceback
 import types
@@ -31,6 +32,23 @@ TENSOR_CALLS = (
 _recording = threading.local()   # .recorder: the Recorder on in this thread, if any
 _calls = []       # (owner, attribute name, with subclasses) from register_call
 _guards = []      # (class, attribute names) from register_guard
+
+
+def recorded_call(fn, label=None):
+    """fn, recorded as one call whenever a recording is on: for functions and methods
+    that change state outside any op (an optimizer's step, clip_grad_norm_). Unlike
+    register_call, it also holds for a reference taken before mt.compile was called
+    (`clip = nn.utils.clip_grad_norm_`, `step = optimizer.step`)."""
+    label = label or fn.__qualname__.replace("microtensor.", "")
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        recorder = getattr(_recording, "recorder", None)
+        if recorder is None:
+            return fn(*args, **kwargs)
+        return recorder.call(label, fn, args, kwargs)
+    call.__recorded__ = True
+    return call
 
 
 def register_call(owner, name, subclasses=False):
@@ -186,37 +204,41 @@ class Recorder:
         recorder = self
 
         def recorded(*args, **kwargs):
-            if recorder.depth or threading.get_ident() != recorder.thread:
-                return fn(*args, **kwargs)
-            grad_mode = _core.is_grad_enabled()
-            # a generator (model.parameters()) is used up by the call: the replay needs
-            # the tensors it gave, so the call gets them as a list
-            if any(type(a) is types.GeneratorType for a in args):
-                args = tuple(list(a) if type(a) is types.GeneratorType else a for a in args)
-            args_t = tuple(recorder.template(a) for a in args)
-            kwargs_t = {k: recorder.template(v) for k, v in kwargs.items()}
-            info = [tuple(a.shape) for a in args if isinstance(a, Tensor)]
-            backward = label in ("t.backward", "run_backward")
-            if backward:
-                recorder._backward_rows = []
-                previous = _core.set_backward_profiler(recorder._backward_row)
-            recorder.depth = 1
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                recorder.depth = 0
-                if backward:
-                    _core.set_backward_profiler(previous)
-            outs = recorder.bind_outputs(out)
-            rec = Record(label, fn, args_t, kwargs_t, outs, grad_mode, info)
-            if backward:
-                rec.info = rec.info + recorder._backward_rows
-            recorder.records.append(rec)
-            return out
+            return recorder.call(label, fn, args, kwargs)
         recorded.__name__ = getattr(fn, "__name__", label)
         recorded.__doc__ = getattr(fn, "__doc__", None)
         recorded.__wrapped__ = fn
         return recorded
+
+    def call(self, label, fn, args, kwargs):
+        """fn(*args, **kwargs), recorded when the function itself made the call."""
+        if self.depth or threading.get_ident() != self.thread:
+            return fn(*args, **kwargs)
+        grad_mode = _core.is_grad_enabled()
+        # a generator (model.parameters()) is used up by the call: the replay needs the
+        # tensors it gave, so the call gets them as a list
+        if any(type(a) is types.GeneratorType for a in args):
+            args = tuple(list(a) if type(a) is types.GeneratorType else a for a in args)
+        args_t = tuple(self.template(a) for a in args)
+        kwargs_t = {k: self.template(v) for k, v in kwargs.items()}
+        info = [tuple(a.shape) for a in args if isinstance(a, Tensor)]
+        backward = label in ("t.backward", "run_backward")
+        if backward:
+            self._backward_rows = []
+            previous = _core.set_backward_profiler(self._backward_row)
+        self.depth = 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.depth = 0
+            if backward:
+                _core.set_backward_profiler(previous)
+        outs = self.bind_outputs(out)
+        rec = Record(label, fn, args_t, kwargs_t, outs, grad_mode, info)
+        if backward:
+            rec.info = rec.info + self._backward_rows
+        self.records.append(rec)
+        return out
 
     def _backward_row(self, node, grad):
         self._backward_rows.append(node.name())

@@ -33,16 +33,15 @@ from microtensor.nn.losses import (
 from microtensor.nn.normalization import BatchNorm1d
 from microtensor import profiler as _profiler
 
-_profiler.register_ops(functional, "F.")   # the profiler times F's fused ops too
-# mt.compile records these as single calls, and replays a plan only while each called
-# module's training flag is what it was when recorded
+# the profiler times F's ops too, and mt.compile records them (microtensor/_intercept.py)
+from microtensor.nn import functional_extra as _functional_extra, rope as _rope  # noqa: E402
+for _module in (functional, _functional_extra, _rope):
+    _profiler.register_ops(_module, "F.")
+del _module
+# mt.compile replays a plan only while each module it called has the training flag it
+# had when recorded
 from microtensor import capture as _capture  # noqa: E402
-for _name in ("clip_grad_norm_", "clip_grad_value_"):
-    if hasattr(utils, _name):
-        _capture.register_call(utils, _name)
-_capture.register_call(Module, "zero_grad")
 _capture.register_guard(Module, "training")
-del _name
 
 __all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU",

@@ -19,6 +19,7 @@ import numpy as np
 
 from microtensor._core import Tensor, Parameter, as_dtype, parse_to_args
 from microtensor.nn.utils import zero_grads
+from microtensor.capture.recorder import recorded_call
 
 
 class StateDictError(ValueError, RuntimeError):
@@ -338,6 +339,7 @@ class Module:
             p.requires_grad_(requires_grad)
         return self
 
+    @recorded_call
     def zero_grad(self, set_to_none=True):
         zero_grads(self.parameters(), set_to_none)
 

@@ -6,6 +6,7 @@ import numpy as np
 from microtensor import _core
 from microtensor._core import Tensor, wrap
 from microtensor._grads import zero_grads  # noqa: F401  (Module.zero_grad reads it here)
+from microtensor.capture.recorder import recorded_call
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
@@ -43,6 +44,7 @@ def _vector_norm(a, norm_type, num_threads):
         return float(np.sum(absolute ** norm_type) ** (1.0 / norm_type))
 
 
+@recorded_call   # mt.compile records the whole clip as one call (it scales .grad in place)
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """Scale all gradients together so that their joint norm is at most max_norm.
 
@@ -90,6 +92,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     return wrap(total_norm)
 
 
+@recorded_call
 def clip_grad_value_(parameters, clip_value):
     """Clamp every gradient element into [-clip_value, clip_value], in place."""
     clip_value = float(clip_value)

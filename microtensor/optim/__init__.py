@@ -13,13 +13,8 @@ from microtensor.optim.optimizer import (
 from microtensor.optim.sgd import SGD
 from microtensor.optim.adam import Adam, AdamW
 from microtensor.optim import lr_scheduler
-from microtensor import capture as _capture
-
-# mt.compile records an optimizer's step and zero_grad, and a scheduler's step, as
-# single calls (they change state outside any op); a replay calls them again
-_capture.register_call(Optimizer, "step", subclasses=True)
-_capture.register_call(Optimizer, "zero_grad", subclasses=True)
-_capture.register_call(lr_scheduler.LRScheduler, "step", subclasses=True)
+# (mt.compile records an optimizer's step and zero_grad, and a scheduler's step, as
+# single calls: see Optimizer.__init_subclass__ and capture.recorded_call)
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler",
            "flatten_state_dict", "unflatten_state_dict"]

@@ -13,12 +13,20 @@ import bisect
 import math
 from collections import Counter
 
+from microtensor.capture.recorder import recorded_call
 from microtensor.optim.optimizer import Optimizer
 
 
 class LRScheduler:
     """Base class: keeps `base_lrs` (each group's "initial_lr"), `last_epoch` and the
     last values set; subclasses write `get_lr()`."""
+
+    def __init_subclass__(cls, **kwargs):
+        # mt.compile records a scheduler's step as one call (it sets param_groups' lr)
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("step")
+        if step is not None and not getattr(step, "__recorded__", False):
+            cls.step = recorded_call(step, f"{cls.__name__}.step")
 
     def __init__(self, optimizer, last_epoch=-1):
         if not isinstance(optimizer, Optimizer):
@@ -52,6 +60,7 @@ class LRScheduler:
         """The learning rates this scheduler set last, one per param group."""
         return list(self._last_lr)
 
+    @recorded_call
     def step(self, epoch=None):
         """Advance one step; `epoch` (deprecated in torch) jumps to that step, using the
         closed form where the schedule has one."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from microtensor._core import Tensor, ShapeError, enable_grad, get_num_threads, wrap
 from microtensor._grads import zero_grads
+from microtensor.capture.recorder import recorded_call
 
 
 class _RequiredParameter:
@@ -36,6 +37,14 @@ required = _RequiredParameter()
 
 class Optimizer:
     """Base class of the optimizers: `step()` is the subclass's, the rest is shared."""
+
+    def __init_subclass__(cls, **kwargs):
+        # mt.compile records a step as one call (it changes parameters and state outside
+        # any op), also through a reference taken before (`step = optimizer.step`)
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("step")
+        if step is not None and not getattr(step, "__recorded__", False):
+            cls.step = recorded_call(step, f"{cls.__name__}.step")
 
     def __init__(self, params, defaults):
         self.defaults = dict(defaults)
@@ -107,6 +116,7 @@ class Optimizer:
                 raise ValueError("some parameters appear in more than one parameter group")
         self.param_groups.append(group)
 
+    @recorded_call
     def zero_grad(self, set_to_none=True):
         """Forget the gradients: drop them (default) or fill them with zeros."""
         zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
