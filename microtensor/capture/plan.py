@@ -29,7 +29,7 @@ class Plan:
         self.externals = len(recorder.externals)
         self.final_grad_mode = getattr(recorder, "final_grad_mode", None)
         self.replays = 0
-        self.bytes = _output_bytes(recorder)
+        self.bytes = sum(rec.out_bytes for rec in self.records)
         self.release = _last_uses(self.records, self.slots, result)
         self.memory = Memory() if arena else None
 
@@ -87,15 +87,16 @@ class Plan:
     def __str__(self):
         lines = [f"plan: {len(self.records)} calls, {self.slots} tensors in slots, "
                  f"{self.externals} external tensors (parameters, constants), "
-                 f"{len(self.guards)} guarded modules; outputs {_mb(self.bytes)} per call"]
+                 f"{len(self.guards)} guarded modules; {_mb(self.bytes)} of new results per call"]
         for i, rec in enumerate(self.records):
             shapes = " ".join(str(i) for i in rec.info if isinstance(i, tuple))
             flops = _flops(rec)
             extra = f"  {flops / 1e6:,.2f} MFLOP" if flops else ""
             grad = "" if rec.grad_mode else "  [no_grad]"
             outs = ", ".join(f"%{s}" for _, s in rec.outs)
+            size = f" ({_kib(rec.out_bytes)})" if rec.out_bytes else " (views)"
             lines.append(f"{i:4d}  {rec.label:<34} {shapes}{extra}{grad}"
-                         + (f"  -> {outs}" if outs else ""))
+                         + (f"  -> {outs}{size}" if outs else ""))
             nodes = [n for n in rec.info if isinstance(n, str)]
             if nodes:
                 counts = {}
@@ -158,8 +159,8 @@ def _dig(value, path):
     return value
 
 
-def _output_bytes(recorder):
-    return sum(t._data.nbytes for t in recorder.alive if isinstance(t, Tensor))
+def _kib(n):
+    return f"{n} B" if n < 1024 else f"{n / 1024:,.1f} KiB"
 
 
 def _mb(n):

@@ -108,13 +108,13 @@ def has_slots(template):
 class Record:
     """One call: fn(*args, **kwargs) with templates, and where its tensors went."""
     __slots__ = ("label", "fn", "args", "kwargs", "dynamic", "outs", "grad_mode", "info",
-                 "seconds", "calls")
+                 "seconds", "calls", "out_bytes")
 
     def __init__(self, label, fn, args, kwargs, outs, grad_mode, info):
         self.label, self.fn, self.args, self.kwargs = label, fn, args, kwargs
         self.dynamic = has_slots(Seq(tuple, list(args) + list(kwargs.values())))
         self.outs, self.grad_mode, self.info = outs, grad_mode, info
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.out_bytes = 0.0, 0, 0
 
 
 class NotReplayable(Exception):
@@ -129,6 +129,8 @@ class Recorder:
         self.slot_of = {}       # id(tensor) -> slot index
         self.alive = []         # every tensor given a slot, kept alive (ids stay unique)
         self.externals = {}     # id -> the external tensors the records read
+        self.roots = set()      # ids of the arrays that own the memory seen so far
+        self.kept = []
         self.guards = {}        # id(instance) -> (instance, ((attribute, value), ...))
         self.refused = None     # why this recording cannot be replayed, if it cannot
         self.depth = 0
@@ -159,6 +161,21 @@ class Recorder:
         if kind is dict and any(isinstance(v, Tensor) for v in value.values()):
             self.refuse("a dict of tensors passed to an op")
         return value
+
+    def new_memory(self, args, outputs):
+        """Bytes of the memory the outputs own that no argument or earlier output owns
+        (a view, a reshape, a split of another tensor owns none)."""
+        for a in args:
+            if isinstance(a, Tensor):
+                self.roots.add(id(_root(a._data)))
+        new = 0
+        for t in outputs:
+            root = _root(t._data)
+            if id(root) not in self.roots:
+                self.roots.add(id(root))
+                self.kept.append(root)           # keep it alive: ids stay unique
+                new += root.nbytes
+        return new
 
     def bind_outputs(self, out, path=()):
         """[(path, slot)] for the tensors in an op's result (nested tuples/lists)."""
@@ -235,6 +252,7 @@ class Recorder:
                 _core.set_backward_profiler(previous)
         outs = self.bind_outputs(out)
         rec = Record(label, fn, args_t, kwargs_t, outs, grad_mode, info)
+        rec.out_bytes = self.new_memory(args, [self.alive[slot] for _, slot in outs])
         if backward:
             rec.info = rec.info + self._backward_rows
         self.records.append(rec)
@@ -271,6 +289,12 @@ def _with_subclasses(cls):
         found.append(c)
         todo.extend(c.__subclasses__())
     return found
+
+
+def _root(array):
+    while isinstance(array.base, type(array)):
+        array = array.base
+    return array
 
 
 def _label(holder, name):
