@@ -132,8 +132,8 @@ del _dialect
 # the ops written in Python: the profiler times them and mt.compile records them
 from microtensor import _intercept  # noqa: E402
 from microtensor import (ops_extra as _m1, ops_creation as _m2, ops_index as _m3,  # noqa: E402
-                         ops_linalg as _m4, ops_inplace as _m5)
-for _module in (_m1, _m2, _m3, _m4, _m5, ops_nan):
+                         ops_linalg as _m4, ops_inplace as _m5, ops_compare as _m6)
+for _module in (_m1, _m2, _m3, _m4, _m5, _m6, ops_nan):
     _intercept.register_ops(_module, "")
 _intercept.register_ops(linalg, "linalg.")
-del _module, _m1, _m2, _m3, _m4, _m5
+del _module, _m1, _m2, _m3, _m4, _m5, _m6

@@ -5,7 +5,7 @@ import numpy as np
 
 import microtensor._core as _core
 from microtensor._core import Tensor, wrap
-from microtensor.ops_extra import _tensor, _array
+from microtensor._ops_common import _tensor, _array
 
 
 def _dtype_or(dtype, default):

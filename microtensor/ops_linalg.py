@@ -12,7 +12,7 @@ import numpy as np
 
 import microtensor._core as _core
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach
-from microtensor.ops_extra import _tensor, _dim, _dims, _float, declare_saved
+from microtensor._ops_common import _tensor, _dim, _dims, _float, declare_saved
 from microtensor.ops_index import diagonal
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import microtensor._core as _core
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 from microtensor import ops_extra as _ops
-from microtensor.ops_extra import _tensor, _dim, declare_saved
+from microtensor._ops_common import _tensor, _dim, declare_saved
 from microtensor.ops_linalg import vector_norm
 from microtensor.nn._activations_fn import softmax as _softmax
 

@@ -18,7 +18,7 @@ node (the rule) sits right above its forward function.
 import numpy as np
 
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
-from microtensor.ops_extra import declare_saved
+from microtensor._ops_common import declare_saved
 
 __all__ = ["rotary_embedding"]
 
