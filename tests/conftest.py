@@ -23,3 +23,14 @@ def _seed():
     mt.manual_seed(0)
     np.random.seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes: one thread is fastest, and immune to a machine busy with other work
+    (waking a second thread on an overloaded core costs more than the op). A module asks
+    for it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = mt.get_num_threads()
+    mt.set_num_threads(1)
+    yield
+    mt.set_num_threads(before)

@@ -18,14 +18,7 @@ torch = pytest.importorskip("torch")
 rng = np.random.default_rng(0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one thread is fastest, and immune to a machine busy with other work
-    (waking a second thread on an overloaded core costs more than the op)."""
-    before = mt.get_num_threads()
-    mt.set_num_threads(1)
-    yield
-    mt.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny shapes (tests/conftest.py)
 
 
 def normal(shape):
