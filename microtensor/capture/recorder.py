@@ -2,7 +2,7 @@
 
 While a Recorder is on, every op (microtensor/_intercept.py wraps them all), the
 Tensor methods that make or change tensors (clone, to, add_, backward, ...) and the
-calls registered with `register_call` (an optimizer's step, clip_grad_norm_,
+calls marked with `recorded_call` (an optimizer's step, clip_grad_norm_,
 zero_grad) are recorded when called from the function itself; what they call inside
 is theirs. Each record keeps the function and its arguments as a template: a tensor
 an earlier record made (or the function was given) becomes a slot, read from the
@@ -30,15 +30,14 @@ TENSOR_CALLS = (
     "fill_", "copy_", "add_", "sub_", "mul_", "div_", "clamp_", "normal_", "uniform_",
 )
 _recording = threading.local()   # .recorder: the Recorder on in this thread, if any
-_calls = []       # (owner, attribute name, with subclasses) from register_call
 _guards = []      # (class, attribute names) from register_guard
 
 
 def recorded_call(fn, label=None):
     """fn, recorded as one call whenever a recording is on: for functions and methods
-    that change state outside any op (an optimizer's step, clip_grad_norm_). Unlike
-    register_call, it also holds for a reference taken before mt.compile was called
-    (`clip = nn.utils.clip_grad_norm_`, `step = optimizer.step`)."""
+    that change state outside any op (an optimizer's step, clip_grad_norm_). It holds
+    wherever the call comes from, a reference taken before mt.compile was called
+    included (`clip = nn.utils.clip_grad_norm_`, `step = optimizer.step`)."""
     label = label or fn.__qualname__.replace("microtensor.", "")
 
     @functools.wraps(fn)
@@ -49,13 +48,6 @@ def recorded_call(fn, label=None):
         return recorder.call(label, fn, args, kwargs)
     call.__recorded__ = True
     return call
-
-
-def register_call(owner, name, subclasses=False):
-    """Record `owner.name(...)` as one call (what it does inside is not recorded): for
-    calls that change state outside any op, such as an optimizer's step. With
-    subclasses=True, the subclasses' own `name` too."""
-    _calls.append((owner, name, subclasses))
 
 
 def register_guard(cls, *attributes):
@@ -196,12 +188,6 @@ class Recorder:
             original = Tensor.__dict__[name]
             patched.append((_intercept._METHOD, name, original))
             _core.replace_tensor_method(name, self._wrapper(f"t.{name}", original))
-        for owner, name, subclasses in _calls:
-            for holder in _with_subclasses(owner) if subclasses else (owner,):
-                fn = vars(holder).get(name)
-                if fn is not None:
-                    patched.append((holder, name, fn))
-                    setattr(holder, name, self._wrapper(_label(holder, name), fn))
         for cls, attributes in _guards:
             patched.append((cls, "__call__", cls.__call__))
             setattr(cls, "__call__", self._guarded(cls.__call__, attributes))
@@ -280,15 +266,6 @@ class Recorder:
     def refuse(self, reason):
         if self.refused is None:
             self.refused = reason
-
-
-def _with_subclasses(cls):
-    found, todo = [], [cls]
-    while todo:
-        c = todo.pop()
-        found.append(c)
-        todo.extend(c.__subclasses__())
-    return found
 
 
 def _root(array):
