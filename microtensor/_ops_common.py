@@ -47,10 +47,11 @@ def _array(x):
     return x._data if isinstance(x, Tensor) else np.asarray(x)
 
 
-def declare_saved(cls, *inputs, output=False):
+def declare_saved(cls, *inputs, output=False, live=()):
     """Tell the engine which tensors `cls.backward` reads (input positions, the output),
-    so an in-place change to one of them is caught and a change to any other is not."""
+    so an in-place change to one of them is caught and a change to any other is not;
+    `live`: inputs only the create-graph rule reads (see the core's declare_saved)."""
     declare = getattr(_core, "declare_saved", None)
     if declare is not None:
-        declare(cls, *inputs, output=output)
+        declare(cls, *inputs, output=output, live=live)
     return cls

@@ -215,7 +215,9 @@ cdef _accumulate_leaf(Tensor t, object g):
     _lock_accumulation()
     try:
         if isinstance(g, Tensor):             # create_graph: keep the graph of the gradient
-            t._grad = g if t._grad is None else add(t._grad, g)
+            # the first time a (differentiable) copy, as PyTorch: g may be a tensor the
+            # caller passed to backward, which .grad must never alias
+            t._grad = (<Tensor>g).clone() if t._grad is None else add(t._grad, g)
             return
         if t._grad is None:
             t._grad = Tensor._wrap(np.array(g, dtype=t._data.dtype, order="C", copy=True))
@@ -434,7 +436,7 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                     "but the saved intermediate values have already been freed. Specify "
                     "retain_graph=True when calling .backward() or autograd.grad() the first time.")
             if node._saved_versions is not None:
-                _check_versions(node)
+                _check_versions(node, create_graph)
             if create_graph:
                 grads = _create_graph_rule(node, g)
             elif _backward_profiler is None:
@@ -565,6 +567,25 @@ def needs_graph(tuple inputs):
     return _needs_graph(inputs)
 
 
+cdef tuple _checked_inputs(object inputs, Node node):
+    """A node's inputs as Python hands them over: a tuple of Tensors (or None), else an
+    exception naming what was found."""
+    if not isinstance(inputs, tuple):
+        raise TypeError(f"{node.name()}: inputs must be a tuple of tensors, got "
+                        f"{type(inputs).__name__}")
+    for i, t in enumerate(inputs):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{node.name()}: input {i} must be a Tensor or None, got "
+                            f"{type(t).__name__}")
+    return <tuple>inputs
+
+
 def attach(Tensor out, Node node, tuple inputs):
     """Record that `out` = node(inputs): backward will call node.backward(grad)."""
-    return _attach(out, node, inputs)
+    return _attach(out, node, _checked_inputs(inputs, node))
+
+
+def replace_inputs(Node node, inputs):
+    """Point node at other input tensors (create-graph rules re-root a local graph onto
+    the live tensors); checked like attach's inputs. `node.inputs` itself is read-only."""
+    node.inputs = _checked_inputs(inputs, node)

@@ -30,9 +30,16 @@ cdef object _to_array(object data, object dtype):
             a = a.astype(int64)
         elif a.dtype.kind not in "fb":
             raise TypeError(f"cannot make a tensor from {type(data).__name__} with dtype {a.dtype}")
+    if a.dtype.kind in _NOT_NUMBERS:
+        raise TypeError(f"can't convert np.ndarray of type numpy.{a.dtype.type.__name__}: a "
+                        f"tensor holds numbers (floating point, integer or bool)")
     if dtype is not None and a.dtype != dtype:
         a = a.astype(dtype)
     return a
+
+
+# numpy dtype kinds no tensor holds: objects, strings, raw bytes, dates and times
+_NOT_NUMBERS = frozenset("OUSVMm")
 
 
 def tensor(data, dtype=None, device=None, requires_grad=False):
@@ -51,6 +58,7 @@ def from_numpy(array):
     """A tensor sharing memory with a numpy array."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"from_numpy expects a numpy.ndarray, got {type(array).__name__}")
+    _to_array(array, None)                   # the same dtypes as mt.tensor, or TypeError
     return Tensor._wrap(array)
 
 
@@ -191,7 +199,10 @@ def randint(low, high=None, size=None, dtype=None, device=None, generator=None):
 
 def randperm(n, dtype=None, device=None, generator=None):
     check_device(device)
-    return _new(_rng.permutation(int(n)).astype(as_dtype(dtype) or int64), False)
+    n = int(n)
+    if n < 0:
+        raise RuntimeError(f"randperm: n must be non-negative, got {n}")
+    return _new(_rng.permutation(n).astype(as_dtype(dtype) or int64), False)
 
 
 def multinomial(probs, num_samples=1):

@@ -314,7 +314,7 @@ class CumprodBackward(Node):
         return (dx.reshape(self.shape).astype(self.x.dtype, copy=False),)
 
 
-declare_saved(CumprodBackward)             # it keeps its own copy of x
+declare_saved(CumprodBackward, live=(0,))  # its own copy of x; the create-graph rule reads x
 
 
 def cumprod(input, dim, dtype=None):

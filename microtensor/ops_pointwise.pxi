@@ -251,6 +251,23 @@ cdef class UnaryBackward(Node):
         return self.kernel.__name__.split("_")[0].capitalize() + "Backward"
 
 
+def unary_saved_output(UnaryBackward node):
+    """The output an exp/sqrt/tanh/sigmoid node saved, as a tensor whose graph leads back
+    to the node's input through the same rule. Create-graph rules read it (as PyTorch
+    does) instead of recomputing it from an input that may have changed in place since."""
+    if node.saved is None:
+        raise RuntimeError(f"{node.name()}: its saved output has already been freed")
+    cdef Tensor res = Tensor._wrap(node.saved)
+    cdef UnaryBackward again
+    inp = node.inputs[0] if node.inputs else None
+    if _grad_on() and inp is not None and (<Tensor>inp)._requires_grad:
+        again = UnaryBackward.__new__(UnaryBackward)
+        again.kernel, again.saved = node.kernel, node.saved
+        again._saves = SAVES_OUTPUT
+        _attach(res, again, (inp,))
+    return res
+
+
 cdef inline Tensor _unary_result(Tensor t, object out, object kernel, object saved):
     cdef Tensor res = Tensor._wrap(out)
     cdef UnaryBackward node

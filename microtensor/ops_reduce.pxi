@@ -355,7 +355,7 @@ def logsumexp(x, dim, keepdim=False, keepdims=None):
 # which tensors each rule reads in backward (version checks)
 declare_saved(SumBackward)
 declare_saved(MeanBackward)
-declare_saved(VarBackward)
+declare_saved(VarBackward, live=(0,))      # backward keeps x - mean; its create-graph rule reads x
 declare_saved(AmaxBackward, 0, output=True)
 declare_saved(MaxDimBackward)
 declare_saved(MaximumBackward)

@@ -408,13 +408,21 @@ cdef bint _ints_beside_arrays(object key):
     return has_int and has_array
 
 
+cdef tuple _select_then_gather(tuple key):
+    """torch's order for a key of ints beside index arrays: (select, gather). The select
+    applies the ints and slices (the arrays' dims kept whole); the gather applies the
+    arrays to what is left, every other dim kept whole (its slice is already applied)."""
+    first = tuple(slice(None) if isinstance(k, np.ndarray) else k for k in key)
+    rest = tuple(k if isinstance(k, np.ndarray) else slice(None) for k in key
+                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)))
+    return first, rest
+
+
 def getitem(x, key):
     cdef Tensor t = _t(x)
     key = _index_key(key)
     if _ints_beside_arrays(key):
-        # torch's order: the integer indices select first, then the index arrays gather
-        first = tuple(slice(None) if isinstance(k, np.ndarray) else k for k in key)
-        rest = tuple(k for k in key if not isinstance(k, (int, np.integer)))
+        first, rest = _select_then_gather(key)
         return getitem(getitem(t, first), rest)
     try:
         out = t._data[key]

@@ -184,6 +184,10 @@ cdef class Tensor:
     def data(self, value):
         _seen(self, "t.data = ...")
         self._data = value._data if isinstance(value, Tensor) else _to_array(value, None)
+        # NOTE: counted as a write. PyTorch's backward then reads the new values through
+        # some saved tensors and the old ones through others (a weight saved transposed);
+        # here a graph that saved this tensor refuses instead
+        _bump(self)
 
     @property
     def _version(self):
@@ -460,7 +464,12 @@ cdef class Tensor:
         if not self._data.flags.writeable:
             raise RuntimeError("this tensor's storage is read-only (an expanded or broadcast "
                                "view); clone() it before changing it in place")
-        self._data[_index_key(key)] = _to_array(value, None)
+        key = _index_key(key)
+        if _ints_beside_arrays(key):
+            first, rest = _select_then_gather(key)     # torch's order, as getitem
+            self._data[first][rest] = _to_array(value, None)
+        else:
+            self._data[key] = _to_array(value, None)
         _bump(self)
 
 

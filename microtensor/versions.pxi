@@ -6,6 +6,8 @@
 # rule. This is the one place the check hooks into: `_attach`, which every op calls.
 
 cdef int SAVES_OUTPUT = 1 << 30
+cdef int LIVE_SHIFT = 15       # bits 15..29: inputs only the create-graph rule reads (live)
+cdef int MAX_SAVED = 15        # bits 0..14: inputs the backward rule reads
 cdef int _SAVES_UNSET = -2
 cdef dict _SAVED_MASKS = {}     # Node class -> mask (core rules declare theirs below them)
 
@@ -46,15 +48,21 @@ cdef int _saved_mask(Node node):
 
 cdef inline _record_versions(Tensor out, Node node, tuple inputs, int mask):
     # kept flat, (counter, version, input index or -1) after one another: this runs for
-    # every recorded op, so it allocates one tuple (two when a rule saves 3+ tensors)
+    # every recorded op, so it allocates one tuple (two when a rule saves 3+ tensors).
+    # An input only the create-graph rule reads is noted as -2 - index.
     cdef _VersionCounter vc
     cdef Py_ssize_t i, n = len(inputs)
     cdef tuple saved = ()
-    for i in range(n if n < 30 else 30):
+    for i in range(n if n < MAX_SAVED else MAX_SAVED):
         inp = inputs[i]
-        if inp is not None and (mask >> i) & 1:
+        if inp is None:
+            continue
+        if (mask >> i) & 1:
             vc = _counter(<Tensor>inp)
             saved = saved + (vc, vc.value, i)
+        elif (mask >> (i + LIVE_SHIFT)) & 1:
+            vc = _counter(<Tensor>inp)
+            saved = saved + (vc, vc.value, -2 - i)
     if mask & SAVES_OUTPUT:
         vc = _counter(out)
         saved = saved + (vc, vc.value, -1)
@@ -62,25 +70,39 @@ cdef inline _record_versions(Tensor out, Node node, tuple inputs, int mask):
         node._saved_versions = saved
 
 
-def declare_saved(cls, *inputs, output=False):
-    """Declare which tensors a rule reads in backward: input positions, and the output."""
+def declare_saved(cls, *inputs, output=False, live=()):
+    """Declare which tensors a rule reads in backward: input positions, and the output.
+    `live`: inputs the backward keeps its own copy of, but the create-graph rule reads
+    as the live tensors (to differentiate through them): checked on that path only."""
     cdef int mask = 0
+    for i in tuple(inputs) + tuple(live):
+        if not 0 <= i < MAX_SAVED:
+            raise ValueError(f"declare_saved({cls.__name__}): input {i} is out of range "
+                             f"(0..{MAX_SAVED - 1})")
     for i in inputs:
         mask |= 1 << i
+    for i in live:
+        mask |= 1 << (i + LIVE_SHIFT)
     if output:
         mask |= SAVES_OUTPUT
     _SAVED_MASKS[cls] = mask
 
 
-cdef _check_versions(Node node):
-    """Raise if a tensor this node saved was changed in place after the forward pass."""
+cdef _check_versions(Node node, bint create_graph):
+    """Raise if a tensor this node's rule reads (on this path: with or without
+    create_graph) was changed in place after the forward pass."""
     cdef _VersionCounter vc
     cdef tuple saved = node._saved_versions
     cdef Py_ssize_t k
+    cdef long index
     for k in range(0, len(saved), 3):
+        index = saved[k + 2]
+        if index <= -2 and not create_graph:
+            continue                      # read live by the create-graph rule only
         vc = <_VersionCounter>saved[k]
         if vc.value != <long>saved[k + 1]:
-            which = "output 0" if saved[k + 2] < 0 else f"input {saved[k + 2]}"
+            which = ("output 0" if index == -1 else
+                     f"input {index}" if index >= 0 else f"input {-2 - index}")
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by "
                 f"an inplace operation: {which} of {node.name()} is at "

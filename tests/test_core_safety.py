@@ -555,3 +555,37 @@ def test_size_and_split_of_a_0d_tensor_raise_instead_of_crashing():
             "        raise SystemExit(3)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr)
+
+
+# ---- what Python assigns to the graph never reaches the engine unchecked ---------------
+
+ASSIGNMENTS = {
+    "node inputs: an int": "y.grad_fn.inputs = (5,)",
+    "node inputs: an array": "y.grad_fn.inputs = (np.ones(2),)",
+    "node saved versions": "y.grad_fn._saved_versions = (5, 1, 2)",
+    "node retained output": "y.retain_grad(); y.grad_fn._retained = lambda: 5",
+    "tensor grad": "x._grad = 5",
+    "tensor version counter": "x._vc = 5",
+    "tensor node": "y._node = 5",
+    "attach: an array input": "attach(mt.ones(2), Node(), (np.ones(2),))",
+    "attach: inputs not a tuple": "attach(mt.ones(2), Node(), [x])",
+    "replace_inputs": "replace_inputs(y.grad_fn, (5,))",
+}
+
+
+@pytest.mark.parametrize("what", sorted(ASSIGNMENTS))
+def test_assignments_to_the_graph_raise_instead_of_crashing(what):
+    """Each assignment either raises where it is made, or the backward and next_functions
+    after it raise: a Python exception in a child process, never a signal."""
+    code = ("import numpy as np\nimport microtensor as mt\n"
+            "from microtensor._core import attach, Node, replace_inputs\n"
+            "x = mt.ones(2, requires_grad=True)\ny = x * 2\n"
+            "try:\n"
+            f"    {ASSIGNMENTS[what]}\n"
+            "except (TypeError, AttributeError, ValueError) as e:\n"
+            "    print('refused:', e)\n"
+            "    raise SystemExit(0)\n"
+            "y.grad_fn.next_functions\ny.sum().backward()\nprint('ran')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1), (r.returncode, r.stderr)        # never a signal
+    assert "refused:" in r.stdout or "Error" in r.stderr, (r.stdout, r.stderr)

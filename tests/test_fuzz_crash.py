@@ -5,7 +5,8 @@ public callables of microtensor (mt.*, Tensor methods, mt.nn.functional, the nn 
 the optimizers) with random and hostile arguments: wrong dtypes and shapes, 0-d, empty
 and non-contiguous tensors, huge and negative ints, NaN and inf, None, strings, nested
 lists, hooks that return a gradient of the wrong shape, tensors changed in place or
-given another `.data` after the call. Results that require grad are back-propagated,
+given another `.data` after the call, any attribute of a result or of its grad_fn set
+to a hostile value (`y.grad_fn.inputs = (5,)`, `y._grad = 5`). Results that require grad are back-propagated,
 optimizers step. Any Python exception is fine; a signal (segfault, abort, a kill) fails
 the test, which then names the batch's seed and the call that was running, from the
 log the child writes before each call.
@@ -288,13 +289,34 @@ def _child(seed, calls, log_path):
             return "<callable>"
         return x
 
+    def assign_attributes(t):
+        """Assignments to what the engine reads: any attribute of the result's node, or
+        of the tensor itself (private ones included), set to a hostile value."""
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            obj = t.grad_fn if t.grad_fn is not None and rng.random() < 0.7 else t
+            names = [n for n in dir(obj) if not n.startswith("__")]
+            name = rng.choice(names)
+            v = rng.choice([value(), (value(),), (np.ones(2),), (5,), lambda *a: 5, None, 5,
+                            np.ones(3), (t, t, t), ()])
+            log.write(f"   setattr {type(obj).__name__}.{name} = {short(v)}\n")
+            try:
+                setattr(obj, name, v)
+            except Exception:                             # noqa: BLE001 (refusing is fine)
+                pass
+        if rng.random() < 0.5:
+            log.write("   next_functions\n")
+            t.grad_fn is not None and t.grad_fn.next_functions
+
     def after(out, inputs):
-        """Back-propagate results, with hostile hooks and in-place changes of inputs."""
+        """Back-propagate results, with hostile hooks, assignments to the graph's
+        attributes and in-place changes of inputs."""
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if not isinstance(t, mt.Tensor) or not t.requires_grad:
                 continue
             if rng.random() < 0.3:
                 t.register_hook(hook())
+            if rng.random() < 0.3:
+                assign_attributes(t)
             for x in inputs:
                 if isinstance(x, mt.Tensor) and rng.random() < 0.2:
                     r = rng.random()

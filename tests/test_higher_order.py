@@ -229,11 +229,11 @@ def test_a_model_can_be_differentiated_twice():
 
 def test_gradgradcheck_catches_a_rule_built_from_saved_arrays(monkeypatch):
     """The classic bug: a rule that multiplies by the saved forward value (a numpy
-    array, a constant) instead of recomputing it from the live input. Its first
+    array, a constant) instead of the saved output as a tensor with a graph. Its first
     derivative is right, so gradcheck passes; the second is missing a term."""
-    def tanh_from_saved(x, g):
-        return C.mul(g, 1 - np.tanh(x.numpy()) ** 2)
-    monkeypatch.setitem(higher_order._UNARY, "tanh_backward", tanh_from_saved)
+    def tanh_from_saved(y, g):
+        return C.mul(g, 1 - y.numpy() ** 2)
+    monkeypatch.setitem(higher_order._FROM_OUTPUT, "tanh_backward", tanh_from_saved)
     x = leaf(2, 3)
     assert mt.gradcheck(mt.tanh, [x])
     (g,) = mt.autograd.grad(x.tanh().sum(), x, create_graph=True)
@@ -253,7 +253,7 @@ def test_fast_mode_passes_correct_rules():
 
 
 def test_gradgradcheck_catches_a_wrong_fused_rule(monkeypatch):
-    """softmax's rule with the saved output instead of softmax(live x)."""
+    """softmax's rule with the saved output as a constant (no graph back to x)."""
     def softmax_from_saved(node, g):
         y = mt.tensor(np.moveaxis(node.out.reshape(node.moved_shape), -1, node.dim))
         return (y * (g - (g * y).sum(node.dim, keepdim=True)),)
@@ -264,9 +264,9 @@ def test_gradgradcheck_catches_a_wrong_fused_rule(monkeypatch):
 
 def test_gradgradcheck_catches_a_wrong_gradient_in_grad_outputs(monkeypatch):
     """A rule that drops g from the graph (it uses g's values as a constant)."""
-    def exp_detached(x, g):
-        return C.mul(g.detach(), C.exp(x))
-    monkeypatch.setitem(higher_order._UNARY, "exp_backward", exp_detached)
+    def exp_detached(y, g):
+        return C.mul(g.detach(), y)
+    monkeypatch.setitem(higher_order._FROM_OUTPUT, "exp_backward", exp_detached)
     with pytest.raises(mt.autograd.GradcheckError, match="grad_output 0"):
         mt.gradgradcheck(mt.exp, [leaf(3)])
 

@@ -136,6 +136,36 @@ def test_register_op_refuses_a_name_tensor_has_already():
     assert isinstance(mt.tensor([1.0, 2.0]).shape, tuple)
 
 
+def _clash_with_an_mt_name(monkeypatch):
+    monkeypatch.setattr(mt, "registry_test_taken", object(), raising=False)
+    return "registry_test_taken", (lambda t: t), {}
+
+
+REFUSALS = {
+    "not an identifier": lambda mp: ("not a name", (lambda t: t), {}),
+    "function not callable": lambda mp: ("registry_test_refused", 3, {}),
+    "method not callable": lambda mp: ("registry_test_refused", (lambda t: t), {"method": 3}),
+    "registered already": lambda mp: ("add", (lambda a, b: a), {}),
+    "a Tensor attribute": lambda mp: ("shape", (lambda t: t), {}),
+    "an mt name taken": _clash_with_an_mt_name,
+}
+
+
+@pytest.mark.parametrize("reason", sorted(REFUSALS))
+def test_a_refused_row_leaves_no_trace(reason, monkeypatch):
+    """Every refusal is decided before anything is installed: no method, no mt.
+    function and no row are left behind, and a row it clashed with is untouched."""
+    name, function, kwargs = REFUSALS[reason](monkeypatch)
+    before_rows = [(r.name, r.function, r.method) for r in mt.registered_ops()]
+    before_method = mt.Tensor.__dict__.get(name)
+    before_mt = getattr(mt, name, None)
+    with pytest.raises((ValueError, TypeError)):
+        mt.register_op(name, function, **kwargs)
+    assert [(r.name, r.function, r.method) for r in mt.registered_ops()] == before_rows
+    assert mt.Tensor.__dict__.get(name) is before_method
+    assert getattr(mt, name, None) is before_mt
+
+
 # ---- every core op with a gradient has a line in the op table of test_ops.py ----------
 
 # Core rows with no gradient to check: bool or integer results, or no new graph node.

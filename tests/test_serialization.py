@@ -174,6 +174,28 @@ def test_damaged_files_raise_value_error(kind, tmp_path):
         assert kind in str(info.value)
 
 
+@pytest.mark.parametrize("cut", [1, 7, 8, 9, 31, 40, 41, 100])
+def test_a_truncated_file_names_the_true_byte_counts(cut, tmp_path):
+    """Cut anywhere (in the data, at its start, into the header): the message's numbers
+    are the file's, computed here from the intact file's layout."""
+    whole = _valid_bytes()
+    header_len = int.from_bytes(whole[:8], "little")
+    header = json.loads(whole[8:8 + header_len])
+    data_len = len(whole) - 8 - header_len
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(whole[:-cut])
+    with pytest.raises(ValueError) as info:
+        mt.load(path)
+    message = str(info.value)
+    if cut <= data_len:
+        past = [v["data_offsets"][1] for k, v in header.items()
+                if k != "__metadata__" and v["data_offsets"][1] > data_len - cut]
+        assert any(f"ends at byte {end} of the data" in message for end in past), message
+        assert f"holds only {data_len - cut} bytes of data" in message, message
+    else:
+        assert f"claims {header_len} bytes but only {len(whole) - cut - 8} bytes follow" in message, message
+
+
 def test_model_checkpoint_round_trip(tmp_path):
     model = nn.Sequential(nn.Embedding(7, 4), nn.LayerNorm(4), nn.Linear(4, 7, bias=False))
     model[2].weight = model[0].weight                      # tied, saved under both names

@@ -155,6 +155,44 @@ def test_resume_replays_an_uninterrupted_run(corpus, tmp_path):
         np.testing.assert_array_equal(b[key].numpy(), a[key].numpy(), err_msg=key)
 
 
+def _optimizer_tensors(state):
+    """{name: array} of every tensor in an optimizer state dict (the AdamW moments)."""
+    out = {}
+    for pid, entry in state["state"].items():
+        for k, v in entry.items():
+            if isinstance(v, mt.Tensor) and v.ndim > 0:
+                out[f"{pid}/{k}"] = v.numpy()
+    return out
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_grad_accum_on_b_rows_equals_one_batch_of_2b_rows(corpus, tmp_path, compiled):
+    """Two micro-batches of B rows give the gradient of one batch of the same 2B rows
+    (each micro-batch loss divided by the count): the AdamW moments after one step (the
+    first moment is (1 - beta1) times the gradient) and the weights agree."""
+    common = ["--data", corpus, *TINY_MODEL, "--dropout", "0", "--max_iters", "1",
+              "--eval_interval", "1", "--eval_iters", "1", "--sample_chars", "0",
+              "--warmup_iters", "0", "--grad_clip", "0",       # clipping would hide a scale
+              *([] if compiled else ["--no-compile"])]
+    halves, whole = str(tmp_path / "halves"), str(tmp_path / "whole")
+    assert run_main(train_char, [*common, "--batch_size", "4", "--grad_accum", "2",
+                                 "--out_dir", halves])[0] == 0
+    assert run_main(train_char, [*common, "--batch_size", "8", "--out_dir", whole])[0] == 0
+    a_model, a_opt, _ = chardata.load_checkpoint(os.path.join(halves, "ckpt_last.safetensors"))
+    b_model, b_opt, _ = chardata.load_checkpoint(os.path.join(whole, "ckpt_last.safetensors"))
+    a_moments, b_moments = _optimizer_tensors(a_opt), _optimizer_tensors(b_opt)
+    assert a_moments and a_moments.keys() == b_moments.keys()
+    for key in a_moments:
+        np.testing.assert_allclose(a_moments[key], b_moments[key], rtol=2e-4, atol=1e-9,
+                                   err_msg=key)
+    # the weights after one AdamW step (lr 5e-3): an update of about lr * sign(g) per
+    # element, so a gradient that is rounding noise (the key bias's, 0 in exact
+    # arithmetic) may move its weight differently by a fraction of lr
+    for key in a_model:
+        np.testing.assert_allclose(a_model[key].numpy(), b_model[key].numpy(), rtol=1e-5,
+                                   atol=1e-5, err_msg=key)
+
+
 def test_the_compiled_step_gives_the_eager_run(corpus, tmp_path):
     """The step runs through mt.compile by default; --no-compile gives the same losses
     and weights bit for bit (with dropout and gradient accumulation, whose micro-batch

@@ -124,4 +124,4 @@ def _reroot(tensors, swap):
             if t is not None and t._node is not None and id(t) not in swap:
                 stack.append(t._node)
         if any(t is not None and id(t) in swap for t in old):
-            node.inputs = tuple(None if t is None else swap.get(id(t), t) for t in old)
+            C.replace_inputs(node, tuple(None if t is None else swap.get(id(t), t) for t in old))

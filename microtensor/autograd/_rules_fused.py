@@ -27,17 +27,32 @@ def _mt_softmax(x, dim):
 # Keyed by name: nn sits above this module, which never imports it.
 _F = "microtensor.nn.functional."
 
+def _saved_rows_output(node):
+    """softmax's (or log_softmax's) saved output y as a tensor whose graph leads back to
+    x through a node of the same rule: the rules below read y (as PyTorch does), never
+    softmax(x) again, since x may have changed in place since the forward pass."""
+    if node.out is None:
+        raise RuntimeError(f"{node.name()}: its saved output has already been freed")
+    y = wrap(np.moveaxis(node.out.reshape(node.moved_shape), -1, node.dim))
+    x = node.inputs[0]
+    if needs_graph((x,)):
+        again = type(node)()
+        again.out, again.dim, again.moved_shape = node.out, node.dim, node.moved_shape
+        attach(y, again, (x,))
+    return y
+
+
 @register(_F + "SoftmaxBackward")
 def _softmax(node, g):
     """y = softmax(x);  dx = y * (g - sum(g * y))"""
-    y = _mt_softmax(node.inputs[0], node.dim)
+    y = _saved_rows_output(node)
     return (C.mul(y, C.sub(g, C.sum(C.mul(g, y), node.dim, True))),)
 
 
 @register(_F + "LogSoftmaxBackward")
 def _log_softmax(node, g):
-    """y = log_softmax(x);  dx = g - softmax(x) * sum(g)"""
-    p = _mt_softmax(node.inputs[0], node.dim)
+    """y = log_softmax(x);  dx = g - exp(y) * sum(g)"""
+    p = C.exp(_saved_rows_output(node))
     return (C.sub(g, C.mul(p, C.sum(g, node.dim, True))),)
 
 

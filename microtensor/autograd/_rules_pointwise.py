@@ -1,5 +1,6 @@
 """Create-graph rules of the core's elementwise ops (ops_pointwise.pxi): arithmetic,
-pow, the unary functions (exp, log, sqrt, tanh, sigmoid, relu, abs: `_UNARY`), clamp,
+pow, the unary functions (exp, log, sqrt, tanh, sigmoid, relu, abs: `_FROM_OUTPUT`
+and `_FROM_INPUT`), clamp,
 where, casts and maximum.
 """
 import numpy as np
@@ -77,26 +78,27 @@ def _neg(node, g):
     return (C.neg(g),)
 
 
-def _unary_exp(x, g):
-    return C.mul(g, C.exp(x))                                      # dx = g * e^x
+# exp, sqrt, tanh and sigmoid save their output y: their rules read y (the saved values,
+# as a tensor whose graph leads back to x), never x, which may have changed in place since
+def _unary_exp(y, g):
+    return C.mul(g, y)                                             # dx = g * y,  y = e^x
 
 
-def _unary_log(x, g):
-    return C.div(g, x)                                             # dx = g / x
+def _unary_sqrt(y, g):
+    return C.div(g, C.mul(y, 2.0))                                 # dx = g / (2 y)
 
 
-def _unary_sqrt(x, g):
-    return C.div(g, C.mul(C.sqrt(x), 2.0))                         # dx = g / (2 sqrt x)
-
-
-def _unary_tanh(x, g):
-    y = C.tanh(x)
+def _unary_tanh(y, g):
     return C.mul(g, C.sub(1.0, C.mul(y, y)))                       # dx = g (1 - y^2)
 
 
-def _unary_sigmoid(x, g):
-    s = C.sigmoid(x)
-    return C.mul(g, C.mul(s, C.sub(1.0, s)))                       # dx = g s (1 - s)
+def _unary_sigmoid(y, g):
+    return C.mul(g, C.mul(y, C.sub(1.0, y)))                       # dx = g y (1 - y)
+
+
+# log, relu and abs save their input x
+def _unary_log(x, g):
+    return C.div(g, x)                                             # dx = g / x
 
 
 def _unary_relu(x, g):
@@ -107,20 +109,22 @@ def _unary_abs(x, g):
     return C.mul(g, _const(np.sign(x._data), g.dtype))             # dx = g sign(x)
 
 
-_UNARY = {"exp_backward": _unary_exp, "log_backward": _unary_log,
-          "sqrt_backward": _unary_sqrt, "tanh_backward": _unary_tanh,
-          "sigmoid_backward": _unary_sigmoid, "relu_backward": _unary_relu,
-          "abs_backward": _unary_abs}
+_FROM_OUTPUT = {"exp_backward": _unary_exp, "sqrt_backward": _unary_sqrt,
+                "tanh_backward": _unary_tanh, "sigmoid_backward": _unary_sigmoid}
+_FROM_INPUT = {"log_backward": _unary_log, "relu_backward": _unary_relu,
+               "abs_backward": _unary_abs}
 
 
 @register(C.UnaryBackward)
 def _unary(node, g):
     """exp, log, sqrt, tanh, sigmoid, relu, abs: one core node type, told apart by kernel"""
-    rule = _UNARY.get(node.kernel.__name__)
-    if rule is None:
-        raise RuntimeError(f"{node.name()} (kernel {node.kernel.__name__}) has no create_graph "
-                           "rule in microtensor.autograd.higher_order._UNARY")
-    return (rule(node.inputs[0], g),)
+    name = node.kernel.__name__
+    if name in _FROM_OUTPUT:
+        return (_FROM_OUTPUT[name](C.unary_saved_output(node), g),)
+    if name in _FROM_INPUT:
+        return (_FROM_INPUT[name](node.inputs[0], g),)
+    raise RuntimeError(f"{node.name()} (kernel {name}) has no create_graph rule in "
+                       "microtensor.autograd._rules_pointwise")
 
 
 @register(C.ClampBackward)

@@ -41,7 +41,8 @@ from microtensor.autograd._rules_base import (  # noqa: F401
 # the rules, one module per op family (importing them fills RULES)
 from microtensor.autograd._rules_pointwise import (  # noqa: F401
     _add, _sub, _mul, _div, _pow, _neg, _unary_exp, _unary_log, _unary_sqrt,
-    _unary_tanh, _unary_sigmoid, _unary_relu, _unary_abs, _UNARY, _unary, _clamp,
+    _unary_tanh, _unary_sigmoid, _unary_relu, _unary_abs, _FROM_OUTPUT, _FROM_INPUT,
+    _unary, _clamp,
     _where, _cast, _maximum,
 )
 from microtensor.autograd._rules_reduce import (  # noqa: F401

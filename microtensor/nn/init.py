@@ -17,8 +17,12 @@ __all__ = ["calculate_gain", "normal_", "uniform_", "zeros_", "ones_", "constant
 
 
 def _check(t):
+    """Every init function starts here: t is a Tensor, and its values are about to be
+    overwritten, which counts as an in-place change (a graph that saved t will refuse
+    to run backward with the new values, as PyTorch's does)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"nn.init expects a Tensor, got {type(t).__name__}")
+    t._bump_version()
     return t
 
 

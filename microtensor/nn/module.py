@@ -437,6 +437,7 @@ class Module:
             target = targets[key]
             if array is not target._data:
                 np.copyto(target._data, array, casting="unsafe")
+                target._bump_version()       # a write: graphs that saved it refuse backward
         return _IncompatibleKeys(missing, unexpected)
 
     # -- printing ---------------------------------------------------------------------
