@@ -16,7 +16,8 @@ engine's per-node backward hook):
 - `compare_grads` (compare.py): gradients worked out by hand against the engine's, one
   line per tensor in backward order, the first wrong one named with its rule's math.
 - `BackwardTrace` / `backward_order` (visits.py): the order the engine visits the
-  nodes, watched while backward runs or worked out from the graph.
+  nodes, watched while backward runs or worked out from the graph; `GradientFlow`
+  (flow.py) draws such a pass on its graph, step by step.
 
     import microtensor as mt
     from microtensor import inspect as mti
@@ -37,6 +38,7 @@ from microtensor.inspect.graph import (
 )
 from microtensor.inspect.drawing import save_small_png
 from microtensor.inspect.visits import BackwardTrace, backward_order
+from microtensor.inspect.flow import GradientFlow
 from microtensor.inspect.compare import (
     compare_grads, GradReport, GradLine, retain_grads, math_line,
 )
@@ -44,4 +46,4 @@ from microtensor.inspect.compare import (
 __all__ = ["GradientRecorder", "GradRecord", "ResidualUnit", "track_modules", "ModuleCalls",
            "Graph", "build_graph", "to_dot", "render", "dot_available", "save_small_png",
            "BackwardTrace", "backward_order", "compare_grads", "GradReport", "GradLine",
-           "retain_grads", "math_line"]
+           "retain_grads", "math_line", "GradientFlow"]

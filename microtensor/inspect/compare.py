@@ -127,9 +127,11 @@ class GradReport:
                 f"; {len(left)} missing, next: {left[0]}" if left else ": all done"))
             return "\n".join(out)
         out.append("")
+        status = {line.name: line.status for line in self.lines}
+        right = self.sources and all(status.get(n) in GOOD for n in self.sources)
         out.append(f"first wrong: {self.first_wrong}. Its gradient comes from "
-                   + (", ".join(self.sources) if self.sources else "the loss")
-                   + (" (all right above)" if self.sources else "")
+                   + (", ".join(self.sources) if self.sources else "the output")
+                   + (" (all right above)" if right else "")
                    + " through:")
         for op, math in self.hint:
             out.append(f"  {op:<20}{math}")
