@@ -160,10 +160,10 @@ def animate(args):
     def pass_frame(step):
         fig.clf()
         ax = fig.add_axes([0.02, 0.02, 0.96, (height - top) / height])
-        box = flow.graph.nodes[flow.steps[step]]
+        box = flow.graph.nodes[flow.steps[step]].label.splitlines()[0]
         flow.draw(ax, step)
         fig.text(0.5, 1 - 0.3 / height, f"backward, step {step + 1} of {n}: the engine "
-                 f"reaches {box.label.splitlines()[0].replace('Backward', '')}", ha="center", fontsize=10,
+                 f"reaches {box.replace('Backward', '')}", ha="center", fontsize=10,
                  weight="bold")
         fig.text(0.5, 1 - 0.5 / height, legend, ha="center", va="top", fontsize=7.5)
 

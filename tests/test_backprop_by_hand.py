@@ -360,3 +360,55 @@ def test_a_bad_file_is_a_one_line_error(tmp_path, content, fragment):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("backprop_by_hand.py: error: "), result.stderr
     assert fragment in lines[0]
+
+
+# ---- watching the backward pass (graph.py --animate) ---------------------------------------
+
+import graph as graph_example   # noqa: E402
+
+
+def test_the_flow_lights_boxes_in_the_engines_order_and_splits_each_residual_add():
+    flow = graph_example.traced_flow(2, True, seed=0)
+    labels = [flow.graph.nodes[b].label.splitlines()[0] for b in flow.steps]
+    assert labels[0] == "CrossEntropyBackward" and labels[-1] == "x"
+    assert len(flow.splits) == 4                     # two residual adds per block
+    # along the stream, every box is reached after the boxes its output feeds
+    for a, b in flow.graph.edges:
+        assert flow.box_step[b] < flow.box_step[a], (labels, a, b)
+    assert all(norm > 0 for norm in flow.edge_norm.values())
+
+    # the split against retained gradients: skip = |dL/dz|, branch = |dL/ds - dL/dz|
+    loss, graph, x = graph_example.residual_stack(2, True, seed=0)
+    nodes = {m for members in graph.origin.values() for m in members
+             if not isinstance(m, mt.Tensor)}
+    adds = mti.residual.residual_adds(list(nodes))
+    outputs = {}
+    for node in nodes:
+        for t in node.inputs:
+            if t is not None and t._node is not None:
+                outputs[t._node] = t
+    pairs = []
+    for add, s_index, _ in adds:
+        s, z = add.inputs[s_index], outputs[add]
+        for t in (s, z):
+            if t.grad_fn is not None:
+                t.retain_grad()
+        pairs.append((s, z))
+    loss.backward()
+    expected = sorted((np.linalg.norm(z.grad.numpy()),
+                       np.linalg.norm(s.grad.numpy() - z.grad.numpy())) for s, z in pairs)
+    got = sorted((skip, branch) for skip, branch, _ in flow.splits.values())
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_animate_writes_a_small_gif_and_two_stills(tmp_path):
+    from PIL import Image
+    code = graph_example.main(["--animate", "--deep", "3", "--out", str(tmp_path)])
+    assert code == 0
+    gif = tmp_path / "backward_pass.gif"
+    with Image.open(gif) as im:
+        assert im.n_frames >= 10 and im.size[0] < 800 and im.size[1] < 900
+    assert gif.stat().st_size < 400_000
+    for name in ("backward_pass.png", "backward_depth.png"):
+        with Image.open(tmp_path / name) as im:
+            assert im.size[0] > 300
