@@ -101,6 +101,7 @@ BAD_FLAGS = [
     ("train_char.py", ["--threads", "-1"], "--threads"),
     ("train_char.py", ["--norm", "batchnorm"], "--norm"),
     ("train_char.py", ["--resume", "--force"], "--force"),
+    ("train_char.py", ["--grad_stats", "--ddp"], "--grad_stats"),
     ("train_char.py", ["--no_such_flag"], "--no_such_flag"),
     ("sample.py", ["--temperature", "-1"], "--temperature"),
     ("sample.py", ["--temperature", "nan"], "--temperature"),
