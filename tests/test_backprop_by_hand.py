@@ -128,6 +128,19 @@ def test_stop_false_checks_every_tensor():
     assert report["c"].status == "close" or report["c"].status == "exact"
 
 
+def test_the_engines_gradients_can_be_given_directly():
+    tensors, manual = small_model()
+    grads = {name: t.grad.numpy() for name, t in tensors.items()}
+    assert mti.compare_grads(grads, manual).ok
+    manual["b"] = manual["b"] * 2
+    report = mti.compare_grads(grads, manual)
+    assert report.first_wrong == "b" and report["b"].status == "wrong"
+    assert [line.name for line in report.lines] == ["W", "b"]      # the order given
+    assert report.hint == [] and "first wrong: b" in str(report)
+    with pytest.raises(TypeError, match="not a float gradient"):
+        mti.compare_grads({"ids": np.arange(3)}, {})
+
+
 def test_usage_errors_say_what_to_do():
     tensors, manual = small_model()
     with pytest.raises(TypeError):

@@ -129,10 +129,13 @@ class GradReport:
         out.append("")
         status = {line.name: line.status for line in self.lines}
         right = self.sources and all(status.get(n) in GOOD for n in self.sources)
-        out.append(f"first wrong: {self.first_wrong}. Its gradient comes from "
-                   + (", ".join(self.sources) if self.sources else "the output")
-                   + (" (all right above)" if right else "")
-                   + " through:")
+        if not self.hint:
+            out.append(f"first wrong: {self.first_wrong}")
+        else:
+            out.append(f"first wrong: {self.first_wrong}. Its gradient comes from "
+                       + (", ".join(self.sources) if self.sources else "the output")
+                       + (" (all right above)" if right else "")
+                       + " through:")
         for op, math in self.hint:
             out.append(f"  {op:<20}{math}")
         if self.readers > 1:
@@ -223,8 +226,8 @@ def _hint(t, consumers, names_by_key):
     return hint, sources
 
 
-def _check(name, t, mine, rtol, atol):
-    engine = np.asarray(t.grad._data if isinstance(t.grad, Tensor) else t.grad)
+def _check(name, engine, mine, rtol, atol):
+    engine = np.asarray(engine._data if isinstance(engine, Tensor) else engine)
     shape = tuple(engine.shape)
     if mine is None:
         return GradLine(name, "missing", shape)
@@ -289,33 +292,51 @@ def backward_names(tensors, roots=None):
     return _order(tensors, consumers, roots)
 
 
-def compare_grads(tensors, manual_grads, rtol=None, atol=0.0, stop=True, roots=None):
-    """Check gradients computed by hand against the ones the engine's backward left in
-    `.grad`, one line per tensor in the order backward computed them.
+def compare_grads(named, manual, *, rtol=None, atol=0.0, stop=True, roots=None):
+    """Check gradients computed by hand against the engine's, one line per tensor in the
+    order backward computed them.
 
-    tensors       {name: tensor} after backward: leaves (their .grad) and intermediates
-                  on which t.retain_grad() was called before backward (`retain_grads`);
-    manual_grads  {name: gradient} as numpy arrays (or tensors, or numbers); a name that
-                  is absent or None is `missing`; an exception instance is `error`;
-    rtol          the largest error, relative to the largest element of the engine's
-                  gradient, still called `close` (None: 1e-9 for float64 gradients,
-                  1e-4 for float32); atol an absolute floor (default 0);
-    stop          end the report at the first wrong tensor (the ones after it were
-                  computed from it); False checks every tensor;
-    roots         the tensor(s) backward started from (default: the named tensors no
-                  other named tensor was computed from, e.g. the loss).
+    named    {name: tensor} after backward: leaves (their .grad) and intermediates on
+             which t.retain_grad() was called before backward (`retain_grads`); or
+             {name: gradient} (a numpy array, or a tensor that does not require grad),
+             the engine's gradients themselves, checked in the order given;
+    manual   {name: gradient} as numpy arrays (or tensors, or numbers); a name that is
+             absent or None is `missing`; an exception instance is `error`;
+    rtol     the largest error, relative to the largest element of the engine's
+             gradient, still called `close` (None: 1e-9 for float64 gradients, 1e-4 for
+             float32); atol an absolute floor (default 0);
+    stop     end the report at the first wrong tensor (the ones after it were computed
+             from it); False checks every tensor;
+    roots    the tensor(s) backward started from (default: the named tensors no other
+             named tensor was computed from, e.g. the loss).
     Returns a GradReport: print it; .ok, .first_wrong, .lines, .inherit in code.
     """
-    if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
-        raise TypeError("compare_grads: tensors must be a dict {name: Tensor}")
-    if not isinstance(manual_grads, dict):
-        raise TypeError("compare_grads: manual_grads must be a dict {name: gradient}, got "
-                        f"{type(manual_grads).__name__}")
-    unknown = [n for n in manual_grads if n not in tensors]
+    if not isinstance(named, dict):
+        raise TypeError("compare_grads: named must be a dict {name: tensor or gradient}, "
+                        f"got {type(named).__name__}")
+    if not isinstance(manual, dict):
+        raise TypeError("compare_grads: manual must be a dict {name: gradient}, got "
+                        f"{type(manual).__name__}")
+    unknown = [n for n in manual if n not in named]
     if unknown:
-        raise KeyError(f"compare_grads: gradients given for tensors not in `tensors`: "
+        raise KeyError(f"compare_grads: gradients given for names not in `named`: "
                        f"{', '.join(map(str, unknown))}")
-    no_grad = [n for n, t in tensors.items() if t.grad is None]
+    tensors, engine = {}, {}
+    for name, value in named.items():
+        if isinstance(value, Tensor) and value.requires_grad:
+            tensors[name] = value
+            engine[name] = value.grad
+        else:
+            try:
+                engine[name] = np.asarray(value._data if isinstance(value, Tensor) else value,
+                                          dtype=None)
+            except (TypeError, ValueError):
+                raise TypeError(f"compare_grads: named[{name!r}] is neither a tensor nor a "
+                                f"gradient ({type(value).__name__})") from None
+            if engine[name].dtype.kind not in "fc":
+                raise TypeError(f"compare_grads: named[{name!r}] is not a float gradient "
+                                f"(dtype {engine[name].dtype})")
+    no_grad = [n for n in tensors if engine[n] is None]
     if no_grad:
         raise ValueError(
             f"compare_grads: no gradient in .grad for {', '.join(no_grad[:6])}"
@@ -326,20 +347,24 @@ def compare_grads(tensors, manual_grads, rtol=None, atol=0.0, stop=True, roots=N
     for name, t in tensors.items():
         names_by_key.setdefault(_key(t), []).append(name)
     _, consumers = _graph(tensors)
-    ordered = _order(tensors, consumers, roots)
+    if len(tensors) == len(named):
+        ordered = _order(tensors, consumers, roots)
+    else:
+        ordered = list(named)        # plain gradients: no graph to take an order from
     report = GradReport([], total=len(ordered))
     for k, name in enumerate(ordered):
-        t = tensors[name]
-        line = _check(name, t, manual_grads.get(name), rtol, atol)
+        line = _check(name, engine[name], manual.get(name), rtol, atol)
         report.lines.append(line)
         if line.good or line.status == "missing":
             continue
         if report.first_wrong is None:
             report.first_wrong = name
-            report.hint, report.sources = _hint(t, consumers, names_by_key)
-            report.readers = len(consumers.get(_key(t), []))
-            inherit = set(_ancestors(t, names_by_key))
-            report.inherit = [n for n in ordered[k + 1:] if n in inherit]
+            t = tensors.get(name)
+            if t is not None:
+                report.hint, report.sources = _hint(t, consumers, names_by_key)
+                report.readers = len(consumers.get(_key(t), []))
+                inherit = set(_ancestors(t, names_by_key))
+                report.inherit = [n for n in ordered[k + 1:] if n in inherit]
             if stop:
                 report.unchecked = ordered[k + 1:]
                 break
