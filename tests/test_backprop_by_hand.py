@@ -425,3 +425,22 @@ def test_animate_writes_a_small_gif_and_two_stills(tmp_path):
     for name in ("backward_pass.png", "backward_depth.png"):
         with Image.open(tmp_path / name) as im:
             assert im.size[0] > 300
+
+
+def test_a_trace_and_a_recorders_residual_split_share_the_engines_hook():
+    """The recorder's skip streams take over the engine's per-node hook during backward;
+    a BackwardTrace around them keeps seeing every node, and gets its hook back."""
+    from models import TransformerBlock
+    mt.manual_seed(0)
+    block = TransformerBlock(8, 2)
+    x = mt.randn(1, 4, 8, requires_grad=True)
+    alone = mti.backward_order(block(x).sum())
+    recorder = mti.GradientRecorder(block)
+    with recorder:
+        y = block(x)
+    with mti.BackwardTrace() as trace:
+        y.sum().backward()
+        assert mt._core.get_backward_profiler() == trace._hook
+    assert [n.name() for n in trace.order] == [n.name() for n in alone]
+    assert recorder[""].skip_norm is not None and recorder[""].branch_norm > 0
+    assert mt._core.get_backward_profiler() is None
