@@ -198,7 +198,6 @@ def animate(args):
             for _ in range(ANIMATION["hold"]):
                 writer.grab_frame()
     _cli.replace_with(gif, write_gif)
-    frames = n + 2 * ANIMATION["hold"] - 1
     pass_frame(n - 1)
     still = os.path.join(args.out, "backward_pass.png")
     _cli.replace_with(still, lambda tmp: mti.save_small_png(fig, tmp, dpi=80))
@@ -206,7 +205,8 @@ def animate(args):
     depth = os.path.join(args.out, "backward_depth.png")
     _cli.replace_with(depth, lambda tmp: mti.save_small_png(fig, tmp, dpi=80))
     plt.close(fig)
-    for path, what in ((gif, f"{frames} frames"), (still, "its last frame"),
+    for path, what in ((gif, f"the {n} steps of the pass, then {args.deep} blocks"),
+                       (still, "its last step"),
                        (depth, f"{args.deep} blocks with and without residuals")):
         print(f"  {path}  ({what}, {os.path.getsize(path) // 1024} KB)")
     return 0
