@@ -329,6 +329,12 @@ class Graph(Part):
     def measure(self, tmp, write):
         out = IMG if write else os.path.join(tmp, "graph")
         run_example("graph.py", "--out", out)
+        if write:
+            # the stills of the backward-pass animation (the GIF itself stays out of docs/)
+            frames = os.path.join(tmp, "animation")
+            run_example("graph.py", "--animate", "--out", frames)
+            for name in ("backward_pass.png", "backward_depth.png"):
+                shutil.copy(os.path.join(frames, name), os.path.join(IMG, name))
         return self.dot_texts(out)
 
     def quick(self, tmp, recorded):

@@ -74,6 +74,7 @@ DEFAULTS = dict(
     # small gain little from a second thread. --threads 0 keeps the libraries' defaults.
     threads=1,
     sample_chars=500,        # length of the sample printed at the end (0 = none)
+    grad_stats=False,        # at each evaluation, the gradient norm at each block's input
 )
 
 # options that fix the shape of the weights: --resume must not change them
@@ -82,7 +83,8 @@ MODEL_SHAPE_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "bias", "norm",
 # options that describe this invocation, never taken from a checkpoint
 NOT_RESUMED_KEYS = ("out_dir", "resume", "threads", "force")
 # what a run writes in out_dir (--force removes an earlier run's copies first)
-OUTPUT_NAMES = ("ckpt_last.safetensors", "ckpt_best.safetensors", "metrics.csv", "loss.png")
+OUTPUT_NAMES = ("ckpt_last.safetensors", "ckpt_best.safetensors", "metrics.csv", "loss.png",
+                "grad_stats.csv")
 
 
 def build_parser():
@@ -129,6 +131,10 @@ def build_parser():
            _cli.positive_int, io)
     option("sample_chars", "characters of text sampled at the end (0: no sample)",
            _cli.nonnegative_int, io)
+    flag("grad_stats", "at every evaluation, one extra forward and backward on a fixed "
+         "training batch (weights and training untouched) records the gradient norm "
+         "reaching each block's input, in grad_stats.csv and as a heatmap (block by "
+         "iteration) beside the loss in loss.png", io)
 
     model = p.add_argument_group("model (GPTConfig)")
     option("n_layer", "number of transformer blocks (>= 1)", _cli.positive_int, model)
@@ -218,6 +224,8 @@ def train(argv, cleanup):
 
     if given.get("force") and given.get("resume"):
         fail("--force starts afresh and --resume continues: give one of them")
+    if given.get("grad_stats") and given.get("ddp"):
+        fail("--grad_stats records one process's gradients: run it without --ddp")
 
     # Threads first: OpenBLAS reads these when numpy is imported (a no-op when main()
     # runs inside a process that already imported numpy; set_blas_threads covers that).
@@ -444,6 +452,40 @@ def train(argv, cleanup):
         model.train()
         return losses
 
+    def block_grad_norms():
+        """|dL/dx| at each block's input for one batch of its own (the same batch at every
+        evaluation, no dropout), through mt.inspect.GradientRecorder; the gradients it
+        leaves are cleared, so the training run is the same with or without it."""
+        from microtensor import inspect as mti
+        from models import TransformerBlock
+        x, y = get_batch("train", np.random.default_rng([run["seed"], 2]))
+        recorder = mti.GradientRecorder(model, modules=TransformerBlock, residual=False)
+        model.eval()
+        try:
+            with recorder:
+                _, loss = model(x, y)
+            loss.backward()
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            recorder.remove_hooks()
+            model.train()
+        return [recorder[f"transformer.h.{i}"].input_norm for i in range(run["n_layer"])]
+
+    grad_path = os.path.join(out_dir, "grad_stats.csv")
+    grad_rows = []   # (iter, |dL/dx| at block 0, block 1, ...)
+    if run["grad_stats"] and checkpoint is not None and os.path.exists(grad_path):
+        with open(grad_path) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split(",")
+                if len(fields) == run["n_layer"] + 1 and int(fields[0]) <= iter_num:
+                    grad_rows.append((int(fields[0]),) + tuple(float(v) for v in fields[1:]))
+
+    def write_grad_stats(tmp):
+        with open(tmp, "w") as f:
+            f.write("iter," + ",".join(f"block{i}" for i in range(run["n_layer"])) + "\n")
+            f.writelines(",".join([str(r[0])] + [f"{v:.6g}" for v in r[1:]]) + "\n"
+                         for r in grad_rows)
+
     metrics_path = os.path.join(out_dir, "metrics.csv")
     header = "iter,train_loss,val_loss,lr,tokens_per_sec\n"
     rows = []  # (iter, train_loss, val_loss, lr, tokens_per_sec)
@@ -473,7 +515,12 @@ def train(argv, cleanup):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
+        if grad_rows:
+            fig, (ax, heat_ax) = plt.subplots(1, 2, figsize=(12, 4),
+                                              gridspec_kw={"width_ratios": [7, 5]})
+            plot_grad_stats(fig, heat_ax)
+        else:
+            fig, ax = plt.subplots(figsize=(7, 4))
         its = [r[0] for r in rows]
         ax.plot(its, [r[1] for r in rows], marker=".", label="train")
         ax.plot(its, [r[2] for r in rows], marker=".", label="val")
@@ -488,6 +535,21 @@ def train(argv, cleanup):
                               lambda tmp: fig.savefig(tmp, dpi=100))
         finally:
             plt.close(fig)
+
+    def plot_grad_stats(fig, ax):
+        """The heatmap: one row per block (block 0 at the bottom), one column per
+        evaluation, colour the log10 of the gradient norm at the block's input."""
+        values = np.array([r[1:] for r in grad_rows], dtype=np.float64).T   # (block, eval)
+        logs = np.log10(np.maximum(values, 1e-30))
+        image = ax.imshow(logs, aspect="auto", origin="lower", cmap="viridis",
+                          interpolation="nearest")
+        its = [r[0] for r in grad_rows]
+        ticks = list(range(0, len(its), max(1, len(its) // 8)))
+        ax.set_xticks(ticks, [str(its[k]) for k in ticks])
+        ax.set_yticks(range(values.shape[0]), [f"block {i}" for i in range(values.shape[0])])
+        ax.set_xlabel("iteration (evaluations)")
+        ax.set_title("gradient norm reaching each block's input")
+        fig.colorbar(image, ax=ax, label="log10 |dL/dx|")
 
     saved_iter = [iter_num if checkpoint is not None else None]  # of ckpt_last
 
@@ -585,6 +647,9 @@ def train(argv, cleanup):
                                   f"val {losses['val']}")
                 tps = train_tokens / train_seconds if train_seconds > 0 else 0.0
                 train_seconds, train_tokens = 0.0, 0
+                if run["grad_stats"]:
+                    grad_rows.append((iter_num, *block_grad_norms()))
+                    _cli.replace_with(grad_path, write_grad_stats)
                 log_metrics((iter_num, losses["train"], losses["val"], lr, tps))
                 progress.write(f"iter {iter_num}: train loss {losses['train']:.4f}, "
                                f"val loss {losses['val']:.4f}, lr {lr:.2e}, {tps:,.0f} tok/s")

@@ -101,6 +101,7 @@ BAD_FLAGS = [
     ("train_char.py", ["--threads", "-1"], "--threads"),
     ("train_char.py", ["--norm", "batchnorm"], "--norm"),
     ("train_char.py", ["--resume", "--force"], "--force"),
+    ("train_char.py", ["--grad_stats", "--ddp"], "--grad_stats"),
     ("train_char.py", ["--no_such_flag"], "--no_such_flag"),
     ("sample.py", ["--temperature", "-1"], "--temperature"),
     ("sample.py", ["--temperature", "nan"], "--temperature"),
@@ -130,6 +131,10 @@ BAD_FLAGS = [
     ("residual_flow.py", ["--lr", "-1"], "--lr"),
     ("residual_flow.py", ["--seed", "-1"], "--seed"),
     ("graph.py", ["--engine", "graphviz"], "--engine"),
+    ("graph.py", ["--animate", "--deep", "1"], "--deep"),
+    ("backprop_by_hand.py", ["--seed", "-1"], "--seed"),
+    ("backprop_by_hand.py", ["--mine", "x.py", "--solution"], "not allowed"),
+    ("backprop_by_hand.py", ["--mine", "no_such_file.py"], "no such file"),
     ("gradcheck_layers.py", ["--threads", "-1"], "--threads"),
     ("gradcheck_layers.py", ["-k", "no such layer"], "no such layer"),
 ]
@@ -141,6 +146,7 @@ SAFE_PREFIX = {
                          "--max_len", "4", "--d_model", "16", "--n_head", "2", "--d_ff", "16"],
     "residual_flow.py": ["--quick", "--skip", "depth", "training"],
     "graph.py": [],
+    "backprop_by_hand.py": [],
     "gradcheck_layers.py": ["-k", "sinusoidal"],
     "sharpness.py": ["--quick"],
     "double_backprop.py": ["--steps", "1"],
@@ -193,7 +199,8 @@ def test_bad_paths_are_one_line_errors(tmp_path, corpus):
 
 
 EXAMPLE_SCRIPTS = ["train_char.py", "sample.py", "train_seq2seq.py", "residual_flow.py",
-                   "graph.py", "gradcheck_layers.py", "sharpness.py", "double_backprop.py"]
+                   "graph.py", "gradcheck_layers.py", "sharpness.py", "double_backprop.py",
+                   "backprop_by_hand.py"]
 
 
 @pytest.mark.parametrize("script", EXAMPLE_SCRIPTS)

@@ -212,6 +212,61 @@ def test_the_compiled_step_gives_the_eager_run(corpus, tmp_path):
         np.testing.assert_array_equal(b[key].numpy(), a[key].numpy(), err_msg=key)
 
 
+def test_grad_stats_records_each_blocks_input_gradient_and_leaves_training_alone(corpus,
+                                                                                   tmp_path):
+    common = ["--data", corpus, *TINY_MODEL, "--n_layer", "2", "--eval_interval", "5",
+              "--eval_iters", "1", "--max_iters", "10", "--sample_chars", "0"]
+    with_stats, without = str(tmp_path / "stats"), str(tmp_path / "plain")
+    code, _, stderr = run_main(train_char, [*common, "--out_dir", with_stats, "--grad_stats"])
+    assert code == 0, stderr
+    assert run_main(train_char, [*common, "--out_dir", without])[0] == 0
+    # the extra backward changes nothing: same losses, same weights bit for bit
+    np.testing.assert_array_equal(losses(read_metrics(with_stats)), losses(read_metrics(without)))
+    a = chardata.load_checkpoint(os.path.join(with_stats, "ckpt_last.safetensors"))[0]
+    b = chardata.load_checkpoint(os.path.join(without, "ckpt_last.safetensors"))[0]
+    for key in a:
+        np.testing.assert_array_equal(a[key].numpy(), b[key].numpy(), err_msg=key)
+    assert not os.path.exists(os.path.join(without, "grad_stats.csv"))
+    with open(os.path.join(with_stats, "grad_stats.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["iter"] for r in rows] == ["0", "5", "10"]
+    assert all(float(r[k]) > 0 and math.isfinite(float(r[k]))
+               for r in rows for k in ("block0", "block1"))
+    # the heatmap sits beside the loss: a wider picture than the loss alone
+    from PIL import Image
+    with Image.open(os.path.join(with_stats, "loss.png")) as im_stats, \
+            Image.open(os.path.join(without, "loss.png")) as im_plain:
+        assert im_stats.size[0] > 1.5 * im_plain.size[0]
+
+    # the first row against retained gradients at the blocks' inputs, recomputed from
+    # the initial weights (a run of 0 steps) on the same batch
+    start = str(tmp_path / "start")
+    assert run_main(train_char, [*common, "--out_dir", start, "--max_iters", "0",
+                                 "--grad_stats"])[0] == 0
+    model_state, _, info = chardata.load_checkpoint(os.path.join(start, "ckpt_last.safetensors"))
+    model = chardata.build_model(info["config"], model_state)
+    model.eval()
+    text = open(corpus, encoding="utf-8").read()
+    ids = chardata.CharTokenizer(info["vocab"]).encode(text)
+    train_data, _ = chardata.train_val_split(ids, 32, corpus)
+    x, y = chardata.get_batch(train_data, 32, 8, np.random.default_rng([1337, 2]))
+    inputs = []
+
+    def keep(module, args):
+        args[0].retain_grad()
+        inputs.append(args[0])
+    handles = [block.register_forward_pre_hook(keep) for block in model.transformer.h]
+    _, loss = model(x, y)
+    loss.backward()
+    for h in handles:
+        h.remove()
+    with open(os.path.join(start, "grad_stats.csv")) as f:
+        first = next(csv.DictReader(f))
+    for i, t in enumerate(inputs):
+        assert float(first[f"block{i}"]) == pytest.approx(np.linalg.norm(t.grad.numpy()),
+                                                          rel=1e-5)
+
+
 def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
     out_dir = str(tmp_path / "interrupted")
     common = ["--data", corpus, *TINY_MODEL, "--eval_interval", "10", "--eval_iters", "2",

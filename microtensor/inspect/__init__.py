@@ -1,6 +1,6 @@
 """mt.inspect: instruments for seeing backprop.
 
-Three tools, all built on the engine's public pieces (`t.register_hook`,
+The tools, all built on the engine's public pieces (`t.register_hook`,
 `t.retain_grad()`, `grad_fn.name()`, `node.inputs`, Module's forward hooks and the
 engine's per-node backward hook):
 
@@ -13,6 +13,11 @@ engine's per-node backward hook):
 - `to_dot` / `render` / `build_graph` (graph.py): the computation graph behind a tensor
   as Graphviz DOT text, and as a PNG (through `dot` when Graphviz is installed,
   otherwise drawn with matplotlib as a layered DAG: drawing.py).
+- `compare_grads` (compare.py): gradients worked out by hand against the engine's, one
+  line per tensor in backward order, the first wrong one named with its rule's math.
+- `BackwardTrace` / `backward_order` (visits.py): the order the engine visits the
+  nodes, watched while backward runs or worked out from the graph; `GradientFlow`
+  (flow.py) draws such a pass on its graph, step by step.
 
     import microtensor as mt
     from microtensor import inspect as mti
@@ -32,6 +37,13 @@ from microtensor.inspect.graph import (
     GraphNode, Graph, build_graph, to_dot, render, dot_available,
 )
 from microtensor.inspect.drawing import save_small_png
+from microtensor.inspect.visits import BackwardTrace, backward_order
+from microtensor.inspect.flow import GradientFlow
+from microtensor.inspect.compare import (
+    compare_grads, GradReport, GradLine, retain_grads, math_line,
+)
 
 __all__ = ["GradientRecorder", "GradRecord", "ResidualUnit", "track_modules", "ModuleCalls",
-           "Graph", "build_graph", "to_dot", "render", "dot_available", "save_small_png"]
+           "Graph", "build_graph", "to_dot", "render", "dot_available", "save_small_png",
+           "BackwardTrace", "backward_order", "compare_grads", "GradReport", "GradLine",
+           "retain_grads", "math_line", "GradientFlow"]

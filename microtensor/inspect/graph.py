@@ -37,7 +37,9 @@ class Graph:
     `nodes` maps id -> GraphNode, `edges` is a list of (source id, target id) in the
     direction data flows in forward (an input points at the op that reads it; backward
     walks the arrows the other way); `skip_edges` are the edges that carry a residual
-    stream into its addition (drawn thick and orange). Build it with `build_graph(...)`.
+    stream into its addition (drawn thick and orange); `origin` maps a box's id to what
+    it stands for: [its backward node], [its leaf tensor], or a collapsed module's nodes.
+    Build it with `build_graph(...)`.
     """
 
     def __init__(self, nodes, edges, root_ids, title="", skip_edges=()):
@@ -46,6 +48,7 @@ class Graph:
         self.root_ids = root_ids
         self.title = title
         self.skip_edges = set(skip_edges)   # edges into a residual addition from its stream
+        self.origin = {}                    # id -> [backward nodes or the leaf tensor]
 
     @property
     def num_ops(self):
@@ -215,9 +218,25 @@ def build_graph(tensors, module=None, calls=None, names=None, collapse=False, de
         source = op_ids[stream._node] if stream._node is not None else leaf_ids[id(stream)]
         skip_edges.add((source, op_ids[node]))
     graph = Graph(nodes, edges, root_ids, title, skip_edges)
+    # what each box stands for: its backward node, or its leaf tensor
+    graph.origin = {nid: [node] for node, nid in op_ids.items()}
+    leaf_tensors = {}
+    for t in _leaves_under(list(op_ids), roots):
+        leaf_tensors.setdefault(id(t), t)
+    graph.origin.update({lid: [leaf_tensors[key]] for key, lid in leaf_ids.items()
+                         if key in leaf_tensors})
     if collapse:
         graph = _collapse(graph, op_ids, calls, depth)
     return graph
+
+
+def _leaves_under(nodes, roots):
+    """The leaf tensors that require grad among the roots and the nodes' inputs."""
+    found = [t for t in roots if t._node is None]
+    for node in nodes:
+        found += [inp for inp in node.inputs
+                  if inp is not None and inp._requires_grad and inp._node is None]
+    return found
 
 
 def _param_group(pname, calls):
@@ -282,7 +301,12 @@ def _collapse(graph, op_ids, calls, depth):
         edges.append((ra, rb))
     skip_edges = {(rename[a], rename[b]) for a, b in graph.skip_edges
                   if rename.get(a) and rename.get(b) and rename[a] != rename[b]}
-    return Graph(nodes, edges, root_ids, graph.title, skip_edges)
+    collapsed = Graph(nodes, edges, root_ids, graph.title, skip_edges)
+    collapsed.origin = {}
+    for nid, members in graph.origin.items():
+        if rename.get(nid) is not None:
+            collapsed.origin.setdefault(rename[nid], []).extend(members)
+    return collapsed
 
 
 def to_dot(tensors, module=None, calls=None, names=None, collapse=False, depth=0,

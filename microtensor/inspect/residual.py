@@ -16,7 +16,6 @@ runs, exactly as it does for the real one.
 import numpy as np
 
 from microtensor import _core
-from microtensor import profiler as _profiler
 
 
 def _reaches(start, target, region):
@@ -151,6 +150,8 @@ class SkipStream:
 
 
 _streams = []        # the skip streams of the backward pass now running
+_below = [None]      # the per-node hook that was on when the streams started (a profiler's,
+                     # a BackwardTrace's): it keeps running inside ours, and comes back after
 
 
 def _step_streams(node):
@@ -171,8 +172,8 @@ def _step_streams(node):
 
 def _traverse(node, grad):
     """The engine's per-node hook while skip streams are pending (see the module doc)."""
+    outer = _below[0]            # read first: the last stream's step puts it back
     _step_streams(node)
-    outer = _profiler.backward_hook()
     return outer(node, grad) if outer is not None else node.backward(grad)
 
 
@@ -184,13 +185,18 @@ def _traverse_create_graph(node, grad):
 
 
 def _install_hooks():
+    current = _core.get_backward_profiler()
+    if current is not _traverse:
+        _below[0] = current
     _core.set_backward_profiler(_traverse)
     _core.register_create_graph_rule(_traverse_create_graph)
 
 
 def _restore_hooks():
     from microtensor.autograd import higher_order
-    _core.set_backward_profiler(_profiler.backward_hook())
+    if _core.get_backward_profiler() is _traverse:
+        _core.set_backward_profiler(_below[0])
+    _below[0] = None
     _core.register_create_graph_rule(higher_order.create_graph_rule)
 
 

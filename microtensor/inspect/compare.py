@@ -1,0 +1,371 @@
+"""`compare_grads`: check gradients worked out by hand against the engine's, tensor by
+tensor, in the order backward computes them.
+
+    tensors = {"h": h, "logits": logits, "loss": loss}     # named tensors of a forward
+    for t in tensors.values():
+        t.retain_grad()                                    # keep non-leaf gradients
+    loss.backward()
+    report = mt.inspect.compare_grads(tensors, {"loss": dloss, "logits": dlogits, "h": dh})
+    print(report)                  # one line per tensor; the first wrong one with a hint
+    report.ok, report.first_wrong  # True/False, the name of the first wrong one (or None)
+
+Each line says `exact` (every element equal), `close` (the largest error relative to the
+largest gradient element, within `rtol`), `WRONG` (the largest absolute error and the
+index where it sits, both values there), `WRONG SHAPE` (both shapes), `ERROR` (computing
+it raised), or `missing` (no gradient given). The report stops at the first wrong one:
+what comes after it was computed from it. There it names the ops that turned the
+gradients below it into this one, each with the math line of its backward rule (the
+first line of the Node class's docstring), and the later tensors that inherit the error.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from microtensor._core import Tensor
+from microtensor.inspect.visits import backward_order
+
+__all__ = ["compare_grads", "backward_names", "GradReport", "GradLine", "retain_grads", "math_line"]
+
+# the default rtol per dtype of the engine's gradient: a few hundred ulps of the
+# largest element, which separates rounding from a wrong rule by orders of magnitude
+RTOL = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 1e-4, np.dtype(np.float16): 1e-2}
+GOOD = ("exact", "close")
+
+
+def math_line(node):
+    """The math of a node's backward rule: the first line of its class docstring."""
+    doc = type(node).__doc__ or ""
+    line = doc.strip().splitlines()[0].strip() if doc.strip() else ""
+    return line or "(no math line)"
+
+
+def retain_grads(tensors):
+    """t.retain_grad() on every non-leaf tensor of a dict (or list) that requires grad;
+    returns its argument, so `retain_grads({...})` can wrap the dict."""
+    for t in (tensors.values() if isinstance(tensors, dict) else tensors):
+        if isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None:
+            t.retain_grad()
+    return tensors
+
+
+@dataclass
+class GradLine:
+    """The check of one tensor. status: exact / close / wrong / wrong shape / error /
+    missing; the numbers that say how close or how wrong."""
+    name: str
+    status: str
+    shape: tuple
+    mine_shape: Optional[tuple] = None
+    max_rel: Optional[float] = None
+    max_abs: Optional[float] = None
+    index: Optional[tuple] = None
+    mine_value: Optional[float] = None
+    engine_value: Optional[float] = None
+    message: str = ""
+
+    @property
+    def good(self):
+        return self.status in GOOD
+
+    def text(self, width):
+        head = f"{self.name:<{width}}  {str(self.shape):<16}"
+        if self.status == "exact":
+            return f"{head}exact"
+        if self.status == "close":
+            return f"{head}close      max rel err {self.max_rel:.1e}"
+        if self.status == "wrong":
+            where = ", ".join(str(i) for i in self.index)
+            return (f"{head}WRONG      max abs err {self.max_abs:.3g} at [{where}]: yours "
+                    f"{self.mine_value:.6g}, engine {self.engine_value:.6g}"
+                    + (f" ({self.message})" if self.message else ""))
+        if self.status == "wrong shape":
+            return f"{head}WRONG SHAPE yours {self.mine_shape}, engine {self.shape}"
+        if self.status == "error":
+            return f"{head}ERROR      {self.message}"
+        return f"{head}missing" + (f"    {self.message}" if self.message else "")
+
+
+@dataclass
+class GradReport:
+    """What `compare_grads` found. `lines` in backward order, up to the first wrong one;
+    `first_wrong` its name (None when there is none); `hint` the ops (name and math line)
+    that compute its gradient from the ones before it, `sources` those tensors,
+    `inherit` the later tensors computed from it, `unchecked` every tensor after it."""
+    lines: list
+    first_wrong: Optional[str] = None
+    hint: list = field(default_factory=list)
+    sources: list = field(default_factory=list)
+    inherit: list = field(default_factory=list)
+    unchecked: list = field(default_factory=list)
+    total: int = 0
+    readers: int = 0
+
+    @property
+    def ok(self):
+        """Every tensor checked and exact or close."""
+        return self.first_wrong is None and all(line.good for line in self.lines)
+
+    @property
+    def missing(self):
+        return [line.name for line in self.lines if line.status == "missing"]
+
+    def __getitem__(self, name):
+        for line in self.lines:
+            if line.name == name:
+                return line
+        raise KeyError(name)
+
+    def __str__(self):
+        width = max([len("tensor")] + [len(line.name) for line in self.lines])
+        out = [f"{'tensor':<{width}}  {'shape':<16}result (in the order backward computes them)"]
+        out += [line.text(width) for line in self.lines]
+        good = sum(line.good for line in self.lines)
+        if self.first_wrong is None:
+            left = self.missing
+            out.append(f"{good} of {self.total} right" + (
+                f"; {len(left)} missing, next: {left[0]}" if left else ": all done"))
+            return "\n".join(out)
+        out.append("")
+        status = {line.name: line.status for line in self.lines}
+        right = self.sources and all(status.get(n) in GOOD for n in self.sources)
+        if not self.hint:
+            out.append(f"first wrong: {self.first_wrong}")
+        else:
+            out.append(f"first wrong: {self.first_wrong}. Its gradient comes from "
+                       + (", ".join(self.sources) if self.sources else "the output")
+                       + (" (all right above)" if right else "")
+                       + " through:")
+        for op, math in self.hint:
+            out.append(f"  {op:<20}{math}")
+        if self.readers > 1:
+            out.append(f"{self.first_wrong} is read by {self.readers} ops: its gradient is the "
+                       "sum of what each of them sends back")
+        if self.inherit:
+            shown = ", ".join(self.inherit[:8]) + (" ..." if len(self.inherit) > 8 else "")
+            out.append(f"inherit the error ({len(self.inherit)}, not checked): {shown}")
+        rest = [n for n in self.unchecked if n not in set(self.inherit)]
+        if rest:
+            out.append(f"not checked either ({len(rest)}): " + ", ".join(rest[:8])
+                       + (" ..." if len(rest) > 8 else ""))
+        return "\n".join(out)
+
+    def __repr__(self):
+        return (f"GradReport(ok={self.ok}, first_wrong={self.first_wrong!r}, "
+                f"checked={len(self.lines)} of {self.total})")
+
+
+def _key(t):
+    return t._node if t._node is not None else id(t)
+
+
+def _graph(tensors):
+    """Walk the graph under the named tensors: the op nodes, and for each tensor key
+    (its node, or id() for a leaf) the (consumer node, input index) pairs that read it."""
+    consumers = {}
+    seen = set()
+    work = [t._node for t in tensors.values() if t._node is not None]
+    while work:
+        node = work.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for i, inp in enumerate(node.inputs):
+            if inp is None or not inp._requires_grad:
+                continue
+            consumers.setdefault(_key(inp), []).append((node, i))
+            if inp._node is not None and inp._node not in seen:
+                work.append(inp._node)
+    return seen, consumers
+
+
+def _ancestors(t, names_by_key):
+    """The named tensors whose gradient passes through t's: those t was computed from."""
+    found = []
+    if t._node is None:
+        return found
+    work, seen = [t._node], set()
+    while work:
+        node = work.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for inp in node.inputs:
+            if inp is None or not inp._requires_grad:
+                continue
+            found += names_by_key.get(_key(inp), [])
+            if inp._node is not None:
+                work.append(inp._node)
+    return found
+
+
+def _hint(t, consumers, names_by_key):
+    """The ops between t and the named tensors whose gradients make t's: walk forward
+    from t through unnamed outputs. Returns ([(op name, math line)], [source names])."""
+    ops, sources = [], []
+    work, seen = [_key(t)], set()
+    while work:
+        key = work.pop(0)
+        for node, _ in consumers.get(key, []):
+            if node in seen:
+                continue
+            seen.add(node)
+            ops.append(node)
+            named = names_by_key.get(node)
+            if named:
+                sources += [n for n in named if n not in sources]
+            else:
+                work.append(node)
+    # distinct rules, each with its math line
+    hint, shown = [], set()
+    for node in ops:
+        if type(node) in shown:
+            continue
+        shown.add(type(node))
+        hint.append((node.name(), math_line(node)))
+    return hint, sources
+
+
+def _check(name, engine, mine, rtol, atol):
+    engine = np.asarray(engine._data if isinstance(engine, Tensor) else engine)
+    shape = tuple(engine.shape)
+    if mine is None:
+        return GradLine(name, "missing", shape)
+    if isinstance(mine, BaseException):
+        where = getattr(mine, "where", "")
+        return GradLine(name, "error", shape, message=f"{type(mine).__name__}: {mine}"
+                                                      + (f" ({where})" if where else ""))
+    if isinstance(mine, Tensor):
+        mine = mine.detach().numpy()
+    try:
+        mine = np.asarray(mine, dtype=np.float64)
+    except (TypeError, ValueError):
+        return GradLine(name, "error", shape,
+                        message=f"not an array of numbers ({type(mine).__name__})")
+    if mine.shape != shape:
+        if mine.size == 1 and engine.size == 1:
+            mine = mine.reshape(shape)
+        else:
+            return GradLine(name, "wrong shape", shape, mine_shape=tuple(mine.shape))
+    ref = engine.astype(np.float64)
+    if np.array_equal(mine, ref):
+        return GradLine(name, "exact", shape, max_rel=0.0, max_abs=0.0)
+    diff = np.abs(mine - ref)
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    max_abs = float(diff.max())
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
+    if rtol is None:
+        rtol = RTOL.get(engine.dtype, 1e-4)
+    if max_abs <= atol or max_rel <= rtol:
+        return GradLine(name, "close", shape, max_rel=max_rel, max_abs=max_abs)
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), shape)) if shape else ()
+    message = "yours holds NaN or Inf" if not np.isfinite(mine).all() else ""
+    return GradLine(name, "wrong", shape, max_rel=max_rel, max_abs=max_abs, index=index,
+                    mine_value=float(mine[index]), engine_value=float(ref[index]),
+                    message=message)
+
+
+def _order(tensors, consumers, roots):
+    if roots is None:
+        consumed = set(consumers)
+        roots = [t for t in tensors.values() if _key(t) not in consumed]
+    order = backward_order(roots)
+    position = {node: i for i, node in enumerate(order)}
+
+    def when(item):
+        index, (name, t) = item
+        if t._node is not None:
+            return (position.get(t._node, len(order)), index)
+        # a leaf's gradient is complete once the last op that read it has run
+        last = max((position.get(node, -1) for node, _ in consumers.get(id(t), [])),
+                   default=len(order))
+        return (last + 0.5, index)
+    return [name for _, (name, _) in sorted(enumerate(tensors.items()), key=when)]
+
+
+def backward_names(tensors, roots=None):
+    """The names of {name: tensor} in the order backward completes their gradients (the
+    order of compare_grads' report): a tensor made by an op when the engine runs that
+    op's rule, a leaf once the last op that read it has run. `roots` as in compare_grads."""
+    _, consumers = _graph(tensors)
+    return _order(tensors, consumers, roots)
+
+
+def compare_grads(named, manual, *, rtol=None, atol=0.0, stop=True, roots=None):
+    """Check gradients computed by hand against the engine's, one line per tensor in the
+    order backward computed them.
+
+    named    {name: tensor} after backward: leaves (their .grad) and intermediates on
+             which t.retain_grad() was called before backward (`retain_grads`); or
+             {name: gradient} (a numpy array, or a tensor that does not require grad),
+             the engine's gradients themselves, checked in the order given;
+    manual   {name: gradient} as numpy arrays (or tensors, or numbers); a name that is
+             absent or None is `missing`; an exception instance is `error`;
+    rtol     the largest error, relative to the largest element of the engine's
+             gradient, still called `close` (None: 1e-9 for float64 gradients, 1e-4 for
+             float32); atol an absolute floor (default 0);
+    stop     end the report at the first wrong tensor (the ones after it were computed
+             from it); False checks every tensor;
+    roots    the tensor(s) backward started from (default: the named tensors no other
+             named tensor was computed from, e.g. the loss).
+    Returns a GradReport: print it; .ok, .first_wrong, .lines, .inherit in code.
+    """
+    if not isinstance(named, dict):
+        raise TypeError("compare_grads: named must be a dict {name: tensor or gradient}, "
+                        f"got {type(named).__name__}")
+    if not isinstance(manual, dict):
+        raise TypeError("compare_grads: manual must be a dict {name: gradient}, got "
+                        f"{type(manual).__name__}")
+    unknown = [n for n in manual if n not in named]
+    if unknown:
+        raise KeyError(f"compare_grads: gradients given for names not in `named`: "
+                       f"{', '.join(map(str, unknown))}")
+    tensors, engine = {}, {}
+    for name, value in named.items():
+        if isinstance(value, Tensor) and value.requires_grad:
+            tensors[name] = value
+            engine[name] = value.grad
+        else:
+            try:
+                engine[name] = np.asarray(value._data if isinstance(value, Tensor) else value,
+                                          dtype=None)
+            except (TypeError, ValueError):
+                raise TypeError(f"compare_grads: named[{name!r}] is neither a tensor nor a "
+                                f"gradient ({type(value).__name__})") from None
+            if engine[name].dtype.kind not in "fc":
+                raise TypeError(f"compare_grads: named[{name!r}] is not a float gradient "
+                                f"(dtype {engine[name].dtype})")
+    no_grad = [n for n in tensors if engine[n] is None]
+    if no_grad:
+        raise ValueError(
+            f"compare_grads: no gradient in .grad for {', '.join(no_grad[:6])}"
+            f"{' ...' if len(no_grad) > 6 else ''}: call retain_grad() on intermediate "
+            "tensors before backward (mt.inspect.retain_grads(tensors)), and check that "
+            "they lead to the loss")
+    names_by_key = {}
+    for name, t in tensors.items():
+        names_by_key.setdefault(_key(t), []).append(name)
+    _, consumers = _graph(tensors)
+    if len(tensors) == len(named):
+        ordered = _order(tensors, consumers, roots)
+    else:
+        ordered = list(named)        # plain gradients: no graph to take an order from
+    report = GradReport([], total=len(ordered))
+    for k, name in enumerate(ordered):
+        line = _check(name, engine[name], manual.get(name), rtol, atol)
+        report.lines.append(line)
+        if line.good or line.status == "missing":
+            continue
+        if report.first_wrong is None:
+            report.first_wrong = name
+            t = tensors.get(name)
+            if t is not None:
+                report.hint, report.sources = _hint(t, consumers, names_by_key)
+                report.readers = len(consumers.get(_key(t), []))
+                inherit = set(_ancestors(t, names_by_key))
+                report.inherit = [n for n in ordered[k + 1:] if n in inherit]
+            if stop:
+                report.unchecked = ordered[k + 1:]
+                break
+    return report
