@@ -441,14 +441,14 @@ cdef class Tensor:
         np.clip(self._data, min, max, out=self._data)
         return self
 
-    def normal_(self, mean=0.0, std=1.0):
+    def normal_(self, mean=0.0, std=1.0, *, generator=None):
         self._check_inplace()
-        self._data[...] = _rng.normal(mean, std, self._data.shape)
+        self._data[...] = _gen(generator).normal(mean, std, self._data.shape)
         return self
 
-    def uniform_(self, a=0.0, b=1.0):
+    def uniform_(self, a=0.0, b=1.0, *, generator=None):
         self._check_inplace()
-        self._data[...] = _rng.uniform(a, b, self._data.shape)
+        self._data[...] = _gen(generator).uniform(a, b, self._data.shape)
         return self
 
     def __setitem__(self, key, value):
