@@ -45,7 +45,7 @@ NAMES = {
         linalg.norm linalg.vector_norm linalg.matrix_norm linalg.inv linalg.solve linalg.det
         linalg.svd linalg.qr linalg.eigh linalg.cholesky
         autograd.grad autograd.backward autograd.Function autograd.function.once_differentiable
-        autograd.gradcheck autograd.gradgradcheck
+        autograd.gradcheck
         autograd.functional.jacobian autograd.functional.hessian
         cuda.is_available cuda.device_count cuda.manual_seed cuda.synchronize
         cuda.is_bf16_supported cuda.amp.GradScaler cuda.amp.autocast amp.autocast
