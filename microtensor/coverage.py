@@ -19,7 +19,8 @@ NAMES = {
     "torch": """
         tensor as_tensor from_numpy zeros ones empty full zeros_like ones_like full_like
         empty_like rand randn randint rand_like randn_like randint_like randperm arange
-        linspace logspace eye manual_seed seed Generator get_rng_state set_rng_state
+        linspace logspace eye manual_seed seed initial_seed Generator default_generator
+        get_rng_state set_rng_state
         cat concat stack hstack vstack column_stack split chunk tensor_split unbind reshape
         flatten squeeze unsqueeze permute transpose swapaxes movedim t narrow select
         index_select masked_select gather scatter scatter_add index_add take take_along_dim
@@ -43,7 +44,8 @@ NAMES = {
         uint8 bool long float double half device
         linalg.norm linalg.vector_norm linalg.matrix_norm linalg.inv linalg.solve linalg.det
         linalg.svd linalg.qr linalg.eigh linalg.cholesky
-        autograd.grad autograd.backward autograd.Function autograd.gradcheck
+        autograd.grad autograd.backward autograd.Function autograd.function.once_differentiable
+        autograd.gradcheck
         autograd.functional.jacobian autograd.functional.hessian
         cuda.is_available cuda.device_count cuda.manual_seed cuda.synchronize
         cuda.is_bf16_supported cuda.amp.GradScaler cuda.amp.autocast amp.autocast

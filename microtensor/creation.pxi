@@ -172,16 +172,27 @@ def set_rng_state(state):
     _rng = np.random.Generator(bg)
 
 
-def randn(*shape, dtype=None, device=None, requires_grad=False, generator=None):
-    check_device(device)
-    dt = as_dtype(dtype) or _default_float
-    return _new(_rng.standard_normal(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
+cdef object _gen(object generator):
+    """The numpy Generator to draw from: the default one, or that of `generator=`
+    (an mt.Generator)."""
+    if generator is None:
+        return _rng
+    draw = getattr(generator, "_numpy_generator", None)
+    if draw is None:
+        raise TypeError(f"generator must be an mt.Generator, got {type(generator).__name__}")
+    return draw()
 
 
-def rand(*shape, dtype=None, device=None, requires_grad=False, generator=None):
+def randn(*shape, generator=None, dtype=None, device=None, requires_grad=False):
     check_device(device)
     dt = as_dtype(dtype) or _default_float
-    return _new(_rng.random(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
+    return _new(_gen(generator).standard_normal(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
+
+
+def rand(*shape, generator=None, dtype=None, device=None, requires_grad=False):
+    check_device(device)
+    dt = as_dtype(dtype) or _default_float
+    return _new(_gen(generator).random(_shape_arg(shape), dtype=dt if dt in (float32, float64) else float64).astype(dt, copy=False), requires_grad)
 
 
 def randint(low, high=None, size=None, dtype=None, device=None, generator=None):
@@ -194,7 +205,7 @@ def randint(low, high=None, size=None, dtype=None, device=None, generator=None):
         raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
     if isinstance(size, (int, np.integer)):
         size = (size,)
-    return _new(_rng.integers(low, high, _shape_arg(tuple(size)), dtype=as_dtype(dtype) or int64), False)
+    return _new(_gen(generator).integers(low, high, _shape_arg(tuple(size)), dtype=as_dtype(dtype) or int64), False)
 
 
 def randperm(n, dtype=None, device=None, generator=None):
@@ -202,21 +213,40 @@ def randperm(n, dtype=None, device=None, generator=None):
     n = int(n)
     if n < 0:
         raise RuntimeError(f"randperm: n must be non-negative, got {n}")
-    return _new(_rng.permutation(n).astype(as_dtype(dtype) or int64), False)
+    return _new(_gen(generator).permutation(n).astype(as_dtype(dtype) or int64), False)
 
 
-def multinomial(probs, num_samples=1):
-    """Draw indices from each row of `probs` (rows need not sum to 1)."""
+def multinomial(probs, num_samples, replacement=False, generator=None):
+    """Draw `num_samples` indices from each row of `probs` (rows need not sum to 1), as
+    torch: with replacement, independent draws; without, distinct indices, in the order
+    of an exponential race (index i wins at time E_i / p_i, E_i ~ Exp(1)), so a
+    zero-probability index comes only after every positive one."""
     p = probs._data if isinstance(probs, Tensor) else np.asarray(probs)
+    if p.ndim not in (1, 2):
+        raise RuntimeError(f"prob_dist must be 1 or 2 dim, got {p.ndim}")
+    if p.dtype.kind != "f":
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: "
+                           f"{p.dtype}")
+    num_samples = int(num_samples)
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
     p2 = np.atleast_2d(p).astype(np.float64)
+    if not replacement and num_samples > p2.shape[1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without "
+                           "replacement")
     if (p2 < 0).any() or not np.isfinite(p2).all():
-        raise ValueError("multinomial: probabilities must be finite and non-negative")
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
     s = p2.sum(-1, keepdims=True)
     if (s <= 0).any():
-        raise ValueError("multinomial: each row needs a positive sum")
-    c = np.cumsum(p2 / s, axis=-1)
-    u = _rng.random((p2.shape[0], num_samples))
-    idx = np.empty((p2.shape[0], num_samples), dtype=int64)
-    for r in range(p2.shape[0]):
-        idx[r] = np.minimum(np.searchsorted(c[r], u[r], side="right"), p2.shape[1] - 1)
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    rng = _gen(generator)
+    if replacement or num_samples == 1:
+        c = np.cumsum(p2 / s, axis=-1)
+        u = rng.random((p2.shape[0], num_samples))
+        idx = np.empty((p2.shape[0], num_samples), dtype=int64)
+        for r in range(p2.shape[0]):
+            idx[r] = np.minimum(np.searchsorted(c[r], u[r], side="right"), p2.shape[1] - 1)
+    else:
+        keys = p2 / rng.exponential(1.0, p2.shape)           # larger key: earlier in the race
+        idx = np.argsort(-keys, axis=-1, kind="stable")[:, :num_samples].astype(int64)
     return Tensor._wrap(idx if p.ndim == 2 else idx[0])

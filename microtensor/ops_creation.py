@@ -73,21 +73,32 @@ def _like(name, fill):
     return like
 
 
-def _random(fn):
-    """randn/rand draw floats; an integer dtype gets them cast (as asked)."""
-    return lambda shape, dt: fn(*shape, dtype=dt if dt.kind == "f" else np.float32)._data
+def _random_like(name, fn):
+    """randn_like / rand_like: floats drawn (from `generator=`), cast to an integer dtype
+    when one is asked for."""
+    def like(input, dtype=None, requires_grad=False, device=None, memory_format=None,
+             generator=None):
+        t = _tensor(input, name)
+        _check_device(device)
+        dt = _dtype_or(dtype, t._data.dtype)
+        draw = fn(*t._data.shape, dtype=dt if dt.kind == "f" else np.float32,
+                  generator=generator)._data
+        return _leaf(np.asarray(draw, dtype=dt), requires_grad)
+    like.__name__ = like.__qualname__ = name
+    return like
 
 
-randn_like = _like("randn_like", _random(_core.randn))
-rand_like = _like("rand_like", _random(_core.rand))
+randn_like = _random_like("randn_like", _core.randn)
+rand_like = _random_like("rand_like", _core.rand)
 empty_like = _like("empty_like", lambda shape, dt: np.zeros(shape, dt))
 
 
-def randint_like(input, low=0, high=None, dtype=None):
+def randint_like(input, low=0, high=None, dtype=None, generator=None):
     if high is None:
         low, high = 0, low
     t = _tensor(input, "randint_like")
-    return _core.randint(low, high, t._data.shape, dtype=_dtype_or(dtype, t._data.dtype))
+    draws = _core.randint(low, high, t._data.shape, generator=generator)._data
+    return wrap(draws.astype(_dtype_or(dtype, t._data.dtype)))     # a float input: floats
 
 
 def _new(fill):
@@ -143,9 +154,13 @@ def triu_indices(row, col, offset=0, dtype=None, device=None):
 # ---- random sampling ----------------------------------------------------------------------
 
 def _generator(generator):
-    if generator is not None:
-        raise NotImplementedError("generator= is not supported; seed with mt.manual_seed")
-    return _core.default_generator()
+    """The numpy Generator to draw from: the default one, or that of an mt.Generator."""
+    if generator is None:
+        return _core.default_generator()
+    draw = getattr(generator, "_numpy_generator", None)
+    if draw is None:
+        raise TypeError(f"generator must be an mt.Generator, got {type(generator).__name__}")
+    return draw()
 
 
 def bernoulli(input, p=None, generator=None):

@@ -274,9 +274,15 @@ def kthvalue(input, k, dim=-1, keepdim=False):
 
 # ---- rearranging -----------------------------------------------------------------------
 
-def flip(input, *dims):
-    """Reverse the order along dims (a list, or the dims as arguments: t.flip(0, 2))."""
+def flip(input, *dims, **kwargs):
+    """Reverse the order along dims: a list, the dims as arguments (t.flip(0, 2)), or the
+    keyword dims= (torch.flip(x, dims=[0]))."""
     t = _tensor(input, "flip")
+    if kwargs:
+        if set(kwargs) != {"dims"} or dims:
+            raise TypeError(f"flip() got an unexpected argument: give dims as a list, as "
+                            f"arguments or as dims=, once (got {sorted(kwargs)} and {dims})")
+        dims = (kwargs["dims"],)
     if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
         dims = dims[0]
     dims = _dims(list(dims), t._data.ndim, "flip")
@@ -343,9 +349,18 @@ def repeat(input, *sizes):
     return _core.reshape(x, *[r * s for r, s in zip(sizes, shape)])
 
 
-def tile(input, dims):
+def tile(input, *dims, **kwargs):
+    """Repeat the whole tensor dims times (leading ones added as needed): tile(x, (2, 3)),
+    t.tile(2, 3) or tile(x, dims=(2, 3))."""
     t = _tensor(input, "tile")
-    dims = tuple(dims) if isinstance(dims, (list, tuple)) else (dims,)
+    if kwargs:
+        if set(kwargs) != {"dims"} or dims:
+            raise TypeError(f"tile() got an unexpected argument: give dims as a tuple, as "
+                            f"arguments or as dims=, once (got {sorted(kwargs)} and {dims})")
+        dims = (kwargs["dims"],)
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = dims[0]
+    dims = tuple(int(d) for d in dims)
     return repeat(t, (1,) * (t._data.ndim - len(dims)) + dims)
 
 

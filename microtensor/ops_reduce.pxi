@@ -222,7 +222,8 @@ cdef tuple _max_along(object d, int dim, bint keepdim):
 
 
 def max(x, dim=None, keepdim=False, keepdims=None):
-    """max(x) -> the largest element; max(x, dim) -> (values, indices) as in torch."""
+    """max(x) -> the largest element; max(x, dim) -> (values, indices); max(a, b) of two
+    tensors -> the elementwise maximum (as torch)."""
     if keepdims is not None:
         keepdim = keepdims
     if dim is None:
@@ -248,9 +249,15 @@ def max(x, dim=None, keepdim=False, keepdims=None):
 
 
 def min(x, dim=None, keepdim=False, keepdims=None):
+    """min(x) -> the smallest element; min(x, dim) -> (values, indices); min(a, b) of two
+    tensors -> the elementwise minimum (as torch)."""
     if keepdims is not None:
         keepdim = keepdims
+    if isinstance(dim, Tensor):
+        return minimum(x, dim)
     if dim is None:
+        if isinstance(keepdim, Tensor):
+            raise TypeError("min(a, b) of two tensors: use mt.minimum(a, b)")
         return neg(_amax(neg(x), None, False, True))
     values, indices = max(neg(x), dim, keepdim)
     return MaxResult(neg(values), indices)

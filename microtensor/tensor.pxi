@@ -445,22 +445,25 @@ cdef class Tensor:
         np.clip(self._data, min, max, out=self._data)
         return self
 
-    def normal_(self, mean=0.0, std=1.0):
+    def normal_(self, mean=0.0, std=1.0, *, generator=None):
         self._check_inplace()
-        self._data[...] = _rng.normal(mean, std, self._data.shape)
+        self._data[...] = _gen(generator).normal(mean, std, self._data.shape)
         return self
 
-    def uniform_(self, a=0.0, b=1.0):
+    def uniform_(self, a=0.0, b=1.0, *, generator=None):
         self._check_inplace()
-        self._data[...] = _rng.uniform(a, b, self._data.shape)
+        self._data[...] = _gen(generator).uniform(a, b, self._data.shape)
         return self
 
     def __setitem__(self, key, value):
         _seen(self, "t[...] = ...")
-        if _grad_on() and self._requires_grad:
+        if _grad_on() and (self._requires_grad or
+                           (isinstance(value, Tensor) and (<Tensor>value)._requires_grad)):
             raise RuntimeError(
-                "index assignment into a tensor that requires grad is not differentiable here; "
-                "do it under `with mt.no_grad():` or build the tensor with mt.where / masked_fill")
+                "index assignment into a tensor that requires grad (or of a value that requires "
+                "grad) is not differentiable here: microtensor's autograd records no in-place "
+                "op; do it under `with mt.no_grad():` or build the tensor with mt.where / "
+                "masked_fill / index_add")
         if not self._data.flags.writeable:
             raise RuntimeError("this tensor's storage is read-only (an expanded or broadcast "
                                "view); clone() it before changing it in place")
@@ -490,6 +493,14 @@ cdef class Tensor:
     def __rmod__(self, other): return remainder(other, self)
     def __matmul__(self, other): return matmul(self, other)
     def __rmatmul__(self, other): return matmul(other, self)
+    # a += b changes a, and every view of its storage (a[1] += b writes into a), as torch
+    def __iadd__(self, other): return _inplace_operator(self, other, add)
+    def __isub__(self, other): return _inplace_operator(self, other, sub)
+    def __imul__(self, other): return _inplace_operator(self, other, mul)
+    def __itruediv__(self, other): return _inplace_operator(self, other, div)
+    def __ifloordiv__(self, other): return _inplace_operator(self, other, floor_divide)
+    def __imod__(self, other): return _inplace_operator(self, other, remainder)
+    def __ipow__(self, other): return _inplace_operator(self, other, pow)
     def __neg__(self): return neg(self)
     def __pos__(self): return self
     def __abs__(self): return abs(self)
@@ -566,3 +577,29 @@ class Parameter(Tensor):
 
     def __repr__(self):
         return "Parameter containing:\n" + Tensor.__repr__(self)
+
+
+cdef object _inplace_operator(Tensor self, object other, object op):
+    """`self op= other`. Without autograd: in place, as torch (the result written into
+    self's storage, so a view's base and every other view see it; the version counts one
+    change; a result of a wider kind, float into an int tensor, is refused as torch does).
+    With autograd (self or other requires grad, grad mode on): the engine records no
+    in-place op, so the name is rebound to the out-of-place result (y += x gives the
+    right gradient; a view or another name of the old y does not see the change)."""
+    if _grad_on() and (self._requires_grad or
+                       (isinstance(other, Tensor) and (<Tensor>other)._requires_grad)):
+        if self._requires_grad and self._node is None:
+            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                               "operation.")
+        return op(self, other)
+    with no_grad():
+        r = <Tensor>op(self, other)
+    kind, want = r._data.dtype.kind, self._data.dtype.kind
+    if (kind == "f" and want in "iub") or (kind in "iu" and want == "b"):
+        raise RuntimeError(f"result type {_dtype_name(r._data.dtype)} can't be cast to the "
+                           f"desired output type {_dtype_name(self._data.dtype)}")
+    if r._data.shape != self._data.shape:
+        raise RuntimeError(f"output with shape {list(self._data.shape)} doesn't match the "
+                           f"broadcast shape {list(r._data.shape)}")
+    self.copy_(r)
+    return self

@@ -944,3 +944,139 @@ def test_docs_api_md_is_generated_from_the_code():
     # the table can say no: a name that does not exist is reported missing
     assert coverage._resolve("torch", "no_such_function") is None
     assert coverage._resolve("Tensor", "cumsum") is not None
+
+
+# ---- binary min / max, tile(*dims), flip(dims=) ----------------------------------------
+
+@pytest.mark.parametrize("form", ["function", "method"])
+@pytest.mark.parametrize("which", ["max", "min"])
+def test_binary_min_max_with_gradients_at_ties(form, which):
+    # ties (a == b) are the kink: torch gives each side half the gradient
+    a = np.array([[1.0, -2.0, 3.0, 0.5], [4.0, 4.0, -1.0, 2.0]])
+    b = np.array([1.0, 5.0, -3.0, 0.5])                      # broadcast over rows
+    up = rng.standard_normal((2, 4))
+    res = []
+    for lib in (mt, torch):
+        x = lib.tensor(a, requires_grad=True)
+        y = lib.tensor(b, requires_grad=True)
+        out = getattr(lib, which)(x, y) if form == "function" else getattr(x, which)(y)
+        (out * lib.tensor(up)).sum().backward()
+        res.append((out.detach().numpy(), x.grad.numpy(), y.grad.numpy()))
+    for ours, theirs in zip(*res):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-15)
+    xa = mt.tensor(normal((3, 4)), requires_grad=True)
+    yb = mt.tensor(normal((3, 4)), requires_grad=True)
+    assert mt.gradcheck(lambda p, q: getattr(mt, which)(p, q), [xa, yb])
+    # the reductions are unchanged
+    assert getattr(mt, which)(mt.tensor(a)).item() == getattr(torch, which)(torch.tensor(a)).item()
+    v, i = getattr(mt.tensor(a), which)(1)
+    tv, ti = getattr(torch.tensor(a), which)(1)
+    np.testing.assert_array_equal(v.numpy(), tv.numpy())
+
+
+@pytest.mark.parametrize("call", [
+    lambda lib, t: t.tile(2, 3), lambda lib, t: t.tile((2, 3)), lambda lib, t: t.tile([2]),
+    lambda lib, t: lib.tile(t, (2, 1, 2)), lambda lib, t: lib.tile(t, dims=(3,)),
+    lambda lib, t: t.tile(2, 1, 1),
+])
+def test_tile_spellings(call):
+    a = normal((2, 3))
+    x, tx = mt.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)
+    out, tout = call(mt, x), call(torch, tx)
+    _same(out.detach(), tout.detach())
+    up = normal(tuple(tout.shape))
+    (out * mt.tensor(up)).sum().backward()
+    (tout * torch.tensor(up)).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy())
+
+
+@pytest.mark.parametrize("call", [
+    lambda lib, t: lib.flip(t, dims=[0]), lambda lib, t: lib.flip(t, dims=(0, 2)),
+    lambda lib, t: t.flip(dims=[1]), lambda lib, t: t.flip(2), lambda lib, t: t.flip(0, 1),
+    lambda lib, t: lib.flip(t, [-1]),
+])
+def test_flip_spellings(call):
+    a = normal((2, 3, 4))
+    x, tx = mt.tensor(a, requires_grad=True), torch.tensor(a, requires_grad=True)
+    _same(call(mt, x).detach(), call(torch, tx).detach())
+    up = normal((2, 3, 4))
+    (call(mt, x) * mt.tensor(up)).sum().backward()
+    (call(torch, tx) * torch.tensor(up)).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy())
+
+
+def test_flip_and_tile_refuse_dims_given_twice():
+    with pytest.raises(TypeError):
+        mt.flip(mt.ones(2, 2), 0, dims=[1])
+    with pytest.raises(TypeError):
+        mt.ones(2).tile(2, dims=(2,))
+
+
+# ---- in-place operators through views ---------------------------------------------------
+
+INPLACE_STATEMENTS = [
+    "a[1] += b", "a[:, 0] *= 2", "a[1:, ::2] -= 0.5", "v = a[0]; v += b",
+    "v = a.view(12); v[3] /= 4", "v = a.t(); v[1] *= -1", "a += 1; a[2] **= 2",
+    "v = a; v -= b", "a[..., 1] //= 2", "a[0, 1:3] %= 0.75", "v = a[1]; v.add_(b)",
+    "v = a.reshape(2, 6); v[1] += 3",
+]
+
+
+@pytest.mark.parametrize("statement", INPLACE_STATEMENTS)
+def test_inplace_operators_write_through_views_as_torch(statement):
+    start = normal((3, 4))
+    got = {}
+    for lib in (mt, torch):
+        scope = {"a": lib.tensor(start), "b": lib.tensor(np.arange(4.0))}
+        a = scope["a"]
+        exec(statement, scope)
+        assert scope["a"] is a                      # the name still holds the same tensor
+        got[lib] = (a.numpy().copy(), a._version)
+    np.testing.assert_allclose(got[mt][0], got[torch][0], rtol=1e-12)
+    assert got[mt][1] == got[torch][1], "version counter"
+
+
+def test_inplace_operator_bumps_the_version_a_saved_tensor_checks():
+    x = mt.ones(3, requires_grad=True)
+    h = x * 2.0
+    y = h.exp()                                     # saves its output
+    with mt.no_grad():
+        y[1] *= 2.0                                 # through a view of y
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_inplace_operators_refuse_what_torch_refuses():
+    for lib in (mt, torch):
+        i = lib.tensor([1, 2, 3])
+        with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+            i /= 2
+        with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+            i += 0.5
+        s = lib.zeros(3)
+        with pytest.raises(RuntimeError):
+            s += lib.ones(2, 3)                     # would have to grow
+        w = lib.ones(3, requires_grad=True)
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            w += 1
+    i = mt.tensor([1, 2, 3])
+    i //= 2
+    np.testing.assert_array_equal(i.numpy(), [0, 1, 1])
+
+
+def test_inplace_operators_under_autograd():
+    # y += x on a non-leaf: the right gradient (the name takes the new value, as torch)
+    for lib in (mt, torch):
+        w = lib.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        loss = (w * w).sum()
+        loss += (w * 3).sum()
+        loss *= 2
+        loss.backward()
+        np.testing.assert_allclose(w.grad.numpy(), [10.0, 14.0, 18.0])
+    # where microtensor records no in-place op, it refuses rather than lose a gradient
+    w = mt.ones(4, requires_grad=True)
+    buf = mt.zeros(2, 4)
+    with pytest.raises(RuntimeError, match="index assignment"):
+        buf[1] += w * 2
+    with pytest.raises(RuntimeError, match="index assignment"):
+        buf[0] = w

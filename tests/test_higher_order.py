@@ -285,11 +285,27 @@ class Cube(mt.autograd.Function):
         return 3 * x * x * grad_output
 
 
-def test_function_is_once_differentiable():
+def test_function_backward_is_differentiable_again():
+    # its backward is written from tensor ops, so create_graph gives a graph through it
     x = leaf(3)
     (g,) = mt.autograd.grad(Cube.apply(x).sum(), x, create_graph=True)
     np.testing.assert_allclose(g.numpy(), 3 * x.numpy() ** 2)
-    with pytest.raises(RuntimeError, match="Cube.*numpy arrays.*cannot be differentiated again"):
+    (gg,) = mt.autograd.grad(g.sum(), x)
+    np.testing.assert_allclose(gg.numpy(), 6 * x.numpy())
+    assert mt.gradgradcheck(Cube.apply, [leaf(3)])
+
+
+def test_once_differentiable_function_raises_when_differentiated_twice():
+    class OnceCube(Cube):
+        @staticmethod
+        @mt.autograd.function.once_differentiable
+        def backward(ctx, grad_output):
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * grad_output
+    x = leaf(3)
+    (g,) = mt.autograd.grad(OnceCube.apply(x).sum(), x, create_graph=True)
+    np.testing.assert_allclose(g.numpy(), 3 * x.numpy() ** 2)
+    with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable.*OnceCube"):
         g.sum().backward()
 
 

@@ -14,7 +14,8 @@ from microtensor._core import (
 from microtensor.gradcheck import gradcheck, gradgradcheck, GradcheckError
 
 __all__ = ["grad", "backward", "gradcheck", "gradgradcheck", "GradcheckError", "detect_anomaly",
-           "AnomalyError", "Function", "Node", "no_grad", "enable_grad", "functional"]
+           "AnomalyError", "Function", "FunctionCtx", "once_differentiable", "function", "Node",
+           "no_grad", "enable_grad", "functional"]
 
 
 def _as_list(x):
@@ -87,52 +88,6 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False):
                  None, True, bool(create_graph))
 
 
-class _FunctionNode(Node):
-    """The graph node of one Function.apply call; also the `ctx` its rules see."""
-
-    def save_for_backward(self, *arrays):
-        self.saved_tensors = arrays
-
-    def backward(self, grad_output):
-        grads = self.fn.backward(self, grad_output)
-        if not isinstance(grads, tuple):
-            grads = (grads,)
-        return tuple(None if g is None else np.asarray(g._data if isinstance(g, Tensor) else g)
-                     for g in grads)
-
-    def name(self):
-        return self.fn.__name__ + "Backward"
-
-
-class Function:
-    """Base for user-defined ops with a hand-written backward, in torch's style:
-
-        class Square(mt.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):             # numpy arrays in, a numpy array out
-                ctx.save_for_backward(x)
-                return x * x
-
-            @staticmethod
-            def backward(ctx, grad_output):  # one gradient per forward argument
-                (x,) = ctx.saved_tensors
-                return 2 * x * grad_output
-
-        y = Square.apply(t)
-    """
-
-    @classmethod
-    def apply(cls, *args):
-        ctx = _FunctionNode()
-        ctx.fn = cls
-        arrays = [a._data if isinstance(a, Tensor) else a for a in args]
-        with no_grad():
-            out = cls.forward(ctx, *arrays)
-        out = wrap(np.asarray(out._data if isinstance(out, Tensor) else out))
-        inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
-        if needs_graph(inputs):
-            attach(out, ctx, inputs)
-        return out
-
-
+from microtensor.autograd import function  # noqa: E402
+from microtensor.autograd.function import Function, FunctionCtx, once_differentiable  # noqa: E402
 from microtensor.autograd import functional  # noqa: E402  (it uses grad, defined above)

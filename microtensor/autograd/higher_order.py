@@ -19,9 +19,11 @@ gradgradcheck catches exactly that.)
 Most rules are the node's own backward formula with numpy swapped for tensor ops. Three
 fused ops (layer_norm, rms_norm, scaled_dot_product_attention) have long backward
 formulas; their rules run the op's forward again as primitives and differentiate that
-(`_through_primitives`), which is slower but short and obviously right. A Function
-written with numpy (mt.autograd.Function) is once differentiable: its gradient is
-correct, and differentiating it again raises an error naming the Function.
+(`_through_primitives`), which is slower but short and obviously right. An
+mt.autograd.Function runs its own backward with grad mode on (its `create_graph`
+method, in autograd/function.py), so it is as differentiable as the ops it is written
+with; a node with no rule at all is once differentiable: its gradient is correct, and
+differentiating it again raises an error naming the node.
 
 This module holds the entry point and the once-differentiable fallback; the registry
 and the shared helpers are in `_rules_base.py`, the rules in one module per op family:
@@ -118,15 +120,6 @@ def _once_differentiable(node, g, message):
             attach(t, mark, sources)
         out.append(t)
     return tuple(out)
-
-
-@register("microtensor.autograd._FunctionNode")
-def _function(node, g):
-    """mt.autograd.Function: its backward works on numpy arrays, so once differentiable."""
-    return _once_differentiable(
-        node, g, f"{node.name()}: the backward of autograd.Function '{node.fn.__name__}' works "
-                 "on numpy arrays, so its gradient cannot be differentiated again "
-                 "(create_graph=True); write the op from differentiable tensor ops instead")
 
 
 C.register_create_graph_rule(create_graph_rule)

@@ -8,6 +8,7 @@ import numpy as np
 
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 from microtensor.nn import functional as F
+from microtensor._core import ArgumentError
 from microtensor.nn._functional_common import (
     DtypeError, declare_saved, _tensor, _float_array, _contig, _owned_indices, _threads,
     _wants_grad, _check_reduction, _unbroadcast,
@@ -79,15 +80,18 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     Layouts as torch: logits (N, C) with target (N,), (C,) with (), (N, C, d...) with
     (N, d...); also (..., C) with (...) (e.g. (B, T, V) logits with (B, T) targets)."""
     x = _float_array(input, "cross_entropy input")
-    if weight is not None:
-        raise NotImplementedError("cross_entropy: class weights are not supported")
     _check_reduction(reduction)
     if not (0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     t = target._data if isinstance(target, Tensor) else np.asarray(target)
-    if t.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: target must be an integer (int64) tensor of class "
-                        f"indices, got dtype {t.dtype}")
+    if t.dtype.kind == "f" and x.ndim >= 1 and t.shape == x.shape:
+        if ignore_index != -100:
+            raise ArgumentError("ignore_index is not supported for floating point target")
+        return _cross_entropy_probs(input, target, weight, reduction, label_smoothing)
+    _check_target(x, t)
+    if weight is not None:
+        return _cross_entropy_weighted(input, t, weight, ignore_index, reduction,
+                                       label_smoothing)
     rows, tgt, out_shape, how = _ce_rows(x, t, "cross_entropy")
     rows = _contig(rows)                                 # (M, C)
     tgt = _owned_indices(tgt)                            # (M,), checked below, kept for backward
@@ -122,6 +126,94 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         node.ignore_index, node.label_smoothing = int(ignore_index), float(label_smoothing)
         attach(out, node, (input, None))
     return out
+
+
+def _check_target(x, t):
+    """A class-index target: an integer dtype, not the input's shape (that is for
+    probabilities), with torch's exception classes and words."""
+    names = {"f": "Float", "b": "Bool", "c": "ComplexFloat"}
+    if t.dtype.kind not in "iu":
+        raise DtypeError(f"expected target dtype to be Long or Byte, but got "
+                         f"{names.get(t.dtype.kind, str(t.dtype))} (cross_entropy: a class-index "
+                         f"target is int64; a probability target is float, of the input's "
+                         f"shape {x.shape}, got target shape {t.shape})")
+    if x.ndim >= 1 and t.shape == x.shape:
+        raise DtypeError("Expected floating point type for target with class probabilities, got "
+                         f"Long (cross_entropy: target dtype {t.dtype}, shape {t.shape})")
+    if x.ndim >= 2 and t.ndim >= 1 and t.shape[0] != x.shape[0] and t.ndim == x.ndim - 1:
+        raise ShapeError(f"Expected input batch_size ({x.shape[0]}) to match target batch_size "
+                         f"({t.shape[0]}). (cross_entropy: input shape {x.shape}, target "
+                         f"shape {t.shape})")
+
+
+def _class_weight(weight, n_classes, ndim_after):
+    w = weight if isinstance(weight, Tensor) else wrap(np.asarray(weight))
+    if w.ndim != 1 or w.shape[0] != n_classes:
+        raise ShapeError(f"cross_entropy: weight tensor should be defined either for all "
+                         f"{n_classes} classes or no classes but got weight tensor of "
+                         f"shape: {list(w.shape)}")
+    from microtensor import _core as C
+    return C.reshape(w, (n_classes,) + (1,) * ndim_after)
+
+
+def _cross_entropy_weighted(input, t, weight, ignore_index, reduction, label_smoothing):
+    """Class-index targets with class weights, as torch: loss_n = -(1 - s) w[t_n] logp[n, t_n]
+    - (s / C) sum_c w_c logp[n, c], ignored rows zero; 'mean' divides by the sum of
+    w[t_n] over the counted rows. From differentiable ops (the fused kernel has no weights)."""
+    from microtensor import _core as C
+    x = input if isinstance(input, Tensor) else wrap(np.asarray(input))
+    rows, tgt, out_shape, how = _ce_rows(x._data, t, "cross_entropy")
+    dim = 1 if x.ndim >= 2 else 0
+    n_classes = x.shape[dim]
+    keep = tgt != ignore_index
+    bad = keep & ((tgt < 0) | (tgt >= n_classes))
+    if bad.any():
+        v = int(tgt[np.argmax(bad)])
+        raise IndexError(f"cross_entropy: target {v} is out of bounds for {n_classes} classes "
+                         f"(valid: 0 to {n_classes - 1}, or ignore_index={ignore_index})")
+    tt = np.where(keep, tgt, 0).reshape(out_shape)
+    mask = (np.expand_dims(tt, dim) == np.arange(n_classes).reshape(
+        (n_classes,) + (1,) * (x.ndim - dim - 1))) & np.expand_dims(keep.reshape(out_shape), dim)
+    w = _class_weight(weight, n_classes, x.ndim - dim - 1)
+    logp_w = C.mul(F.log_softmax(x, dim), w)
+    nll = C.neg(C.sum(C.mul(logp_w, wrap(mask.astype(x.dtype))), dim))
+    losses = C.mul(nll, 1.0 - label_smoothing)
+    if label_smoothing > 0:
+        smooth = C.neg(C.sum(logp_w, dim))
+        smooth = C.mul(smooth, wrap((keep.reshape(out_shape) * (label_smoothing / n_classes))
+                                    .astype(x.dtype)))
+        losses = C.add(losses, smooth)
+    if reduction == "none":
+        return losses
+    total = C.sum(losses)
+    if reduction == "sum":
+        return total
+    counted = C.sum(C.mul(C.reshape(w, (n_classes,) + (1,) * (x.ndim - dim - 1)),
+                          wrap(mask.astype(x.dtype))))
+    return C.div(total, counted)
+
+
+def _cross_entropy_probs(input, target, weight, reduction, label_smoothing):
+    """Probability ("soft") targets, as torch: loss = -sum_c w_c y_c log_softmax(x)_c over
+    the class dim (dim 1, or 0 for a 1-D input), y = (1 - s) y + s / C with smoothing s;
+    'mean' divides by the number of rows (not by the weights). Built from differentiable
+    ops, so the target gets a gradient too and create_graph works through it."""
+    from microtensor import _core as C
+    x = input if isinstance(input, Tensor) else wrap(np.asarray(input))
+    y = target if isinstance(target, Tensor) else wrap(np.asarray(target))
+    dim = 1 if x.ndim >= 2 else 0
+    n_classes = x.shape[dim]
+    if label_smoothing > 0:
+        y = C.add(C.mul(y, 1.0 - label_smoothing), label_smoothing / n_classes)
+    terms = C.mul(F.log_softmax(x, dim), y)
+    if weight is not None:
+        terms = C.mul(terms, _class_weight(weight, n_classes, x.ndim - dim - 1))
+    losses = C.neg(C.sum(terms, dim))
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return C.sum(losses)
+    return C.mean(losses)
 
 
 def nll_loss(input, target, ignore_index=-100, reduction="mean"):

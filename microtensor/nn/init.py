@@ -10,6 +10,7 @@ import numpy as np
 
 from microtensor import _core
 from microtensor._core import Tensor
+from microtensor.ops_creation import _generator
 
 __all__ = ["calculate_gain", "normal_", "uniform_", "zeros_", "ones_", "constant_",
            "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
@@ -39,24 +40,24 @@ def _draw_into(t, draw):
     return data
 
 
-def normal_(tensor, mean=0.0, std=1.0):
+def normal_(tensor, mean=0.0, std=1.0, generator=None):
     """t ~ N(mean, std^2), in place."""
     _check(tensor)
     if std < 0:
         raise ValueError(f"normal_: std must be non-negative, got {std}")
-    gen = _core.default_generator()
+    gen = _generator(generator)
     data = _draw_into(tensor, lambda dt, out: gen.standard_normal(out.shape, dtype=dt, out=out))
     data *= std
     data += mean
     return tensor
 
 
-def uniform_(tensor, a=0.0, b=1.0):
+def uniform_(tensor, a=0.0, b=1.0, generator=None):
     """t ~ U(a, b), in place."""
     _check(tensor)
     if a > b:
         raise ValueError(f"uniform_: expected a <= b, got a={a}, b={b}")
-    gen = _core.default_generator()
+    gen = _generator(generator)
     data = _draw_into(tensor, lambda dt, out: gen.random(out.shape, dtype=dt, out=out))
     data *= (b - a)
     data += a
@@ -101,17 +102,17 @@ def calculate_gain(nonlinearity, param=None):
     raise ValueError(f"unsupported nonlinearity {nonlinearity}")
 
 
-def xavier_uniform_(tensor, gain=1.0):
+def xavier_uniform_(tensor, gain=1.0, generator=None):
     """t ~ U(-a, a) with a = gain * sqrt(6 / (fan_in + fan_out))."""
     fan_in, fan_out = _fans(_check(tensor))
     a = gain * math.sqrt(6.0 / (fan_in + fan_out))
-    return uniform_(tensor, -a, a)
+    return uniform_(tensor, -a, a, generator)
 
 
-def xavier_normal_(tensor, gain=1.0):
+def xavier_normal_(tensor, gain=1.0, generator=None):
     """t ~ N(0, std^2) with std = gain * sqrt(2 / (fan_in + fan_out))."""
     fan_in, fan_out = _fans(_check(tensor))
-    return normal_(tensor, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)))
+    return normal_(tensor, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)), generator)
 
 
 def _kaiming_std(tensor, a, mode, nonlinearity):
@@ -122,23 +123,23 @@ def _kaiming_std(tensor, a, mode, nonlinearity):
     return calculate_gain(nonlinearity, a) / math.sqrt(fan)
 
 
-def kaiming_uniform_(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu"):
+def kaiming_uniform_(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu", generator=None):
     """t ~ U(-b, b) with b = gain * sqrt(3 / fan) (He et al. 2015), as torch."""
     bound = math.sqrt(3.0) * _kaiming_std(tensor, a, mode, nonlinearity)
-    return uniform_(tensor, -bound, bound)
+    return uniform_(tensor, -bound, bound, generator)
 
 
-def kaiming_normal_(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu"):
+def kaiming_normal_(tensor, a=0.0, mode="fan_in", nonlinearity="leaky_relu", generator=None):
     """t ~ N(0, std^2) with std = gain / sqrt(fan) (He et al. 2015), as torch."""
-    return normal_(tensor, 0.0, _kaiming_std(tensor, a, mode, nonlinearity))
+    return normal_(tensor, 0.0, _kaiming_std(tensor, a, mode, nonlinearity), generator)
 
 
-def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0):
+def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
     """t ~ N(mean, std^2) restricted to [a, b] (redrawing what falls outside)."""
     _check(tensor)
     if std < 0 or a >= b:
         raise ValueError(f"trunc_normal_: needs std >= 0 and a < b, got std={std}, a={a}, b={b}")
-    gen = _core.default_generator()
+    gen = _generator(generator)
     out = np.empty(tensor._data.shape, dtype=np.float64)
     flat = out.reshape(-1)
     todo = np.arange(flat.size)
@@ -152,7 +153,7 @@ def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0):
     return tensor
 
 
-def orthogonal_(tensor, gain=1.0):
+def orthogonal_(tensor, gain=1.0, generator=None):
     """A (semi-)orthogonal matrix (rows or columns orthonormal), scaled by gain."""
     _check(tensor)
     if tensor.ndim < 2:
@@ -160,7 +161,7 @@ def orthogonal_(tensor, gain=1.0):
                          f"got shape {tensor.shape}")
     rows = tensor.shape[0]
     cols = tensor._data.size // rows
-    flat = _core.default_generator().standard_normal((rows, cols))
+    flat = _generator(generator).standard_normal((rows, cols))
     if rows < cols:
         flat = flat.T
     q, r = np.linalg.qr(flat)
