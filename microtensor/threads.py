@@ -19,6 +19,7 @@ import numpy as np  # noqa: F401  (importing numpy is what loads its BLAS)
 from threadpoolctl import ThreadpoolController
 
 from microtensor import _core
+from microtensor._omp_env import OMP_DEFAULTS, settings as omp_settings  # noqa: F401
 
 
 def _loaded_blas():
