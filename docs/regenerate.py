@@ -91,6 +91,8 @@ TIMING = ("cpu_seconds", "wall_seconds", "quick_cpu_seconds", "machine")
 
 def busier(new, old):
     """True when `new`'s run time should not replace `old`'s (see TIMING)."""
+    if "machine" not in new:        # nothing timed (constants read from the sources)
+        return False
     load, cpus = new["machine"]["load_average"], new["machine"]["cpus"]
     if not old or "cpu_seconds" not in old or load <= cpus:
         return False
@@ -452,7 +454,7 @@ class KernelConstants(Part):
         "attention_block": r"^_ATTENTION_BLOCK = (\d+)",
         "parallel_min_log2": r"^_PARALLEL_MIN = 1 << (\d+)",
         "parallel_min_memory_log2": r"^_PARALLEL_MIN_MEMORY_BOUND = 1 << (\d+)",
-        "gemm_parallel_min_log2": r"^cdef Py_ssize_t _PARALLEL_MIN_FLOPS = 1 << (\d+)",
+        "gemm_parallel_min_log2": r"^cdef double _PARALLEL_MIN_FLOPS = 1 << (\d+)",
         "small_matmul_log2": r"^cdef Py_ssize_t _SMALL_MATMUL = 1 << (\d+)",
     }
 
@@ -480,10 +482,12 @@ class KernelConstants(Part):
             "attention_blocks": (f"{v['attention_block_causal']} rows under `is_causal`, "
                                  f"{v['attention_block']} without"),
             "kernel_thresholds": (
-                "Memory-bound kernels (norms, embedding, dropout) go parallel from "
+                "Memory-bound kernels (norms, embedding, dropout) are given threads from "
                 f"2^{v['parallel_min_memory_log2']} elements, the others from "
-                f"2^{v['parallel_min_log2']}; a gemm of `_blas` splits its output rows over "
-                f"the threads from 2^{v['gemm_parallel_min_log2']} flops; `mt.matmul` hands "
+                f"2^{v['parallel_min_log2']}, and each kernel keeps one thread below its own "
+                "measured threshold besides (`threads_for` in `_common.pxd`, the constant "
+                "beside the kernel); a gemm of `_blas` splits its output rows over the threads "
+                f"from 2^{v['gemm_parallel_min_log2']} multiply-adds; `mt.matmul` hands "
                 f"products below 2^{v['small_matmul_log2']} multiply-adds to numpy."),
         }
 

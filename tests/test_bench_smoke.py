@@ -282,6 +282,7 @@ def test_physical_cores_counts_smt_siblings_once(tmp_path, monkeypatch):
 def test_default_num_threads_policy(tmp_path, monkeypatch):
     from microtensor import threads
     monkeypatch.setattr(threads, "physical_cores", lambda: 8)
+    monkeypatch.setattr(threads, "_allowed_cpus", lambda: list(range(8)))
     quota = tmp_path / "cpu.max"
     monkeypatch.setattr(threads, "_CGROUP_QUOTA", ((str(quota), None),))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -294,6 +295,9 @@ def test_default_num_threads_policy(tmp_path, monkeypatch):
     assert threads.default_num_threads() == 5          # the environment wins
     monkeypatch.setenv("OMP_NUM_THREADS", "junk")
     assert threads.default_num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "300")       # above the CPUs: lowered, warned
+    with pytest.warns(RuntimeWarning, match="OMP_NUM_THREADS=300 is more than the 8 CPUs"):
+        assert threads.default_num_threads() == 8
 
 
 def test_set_threads_defaults_to_physical_cores():
