@@ -55,7 +55,6 @@ def _mlp_step(width):
 
 def _gpt_step(config):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    sys.path.insert(0, ROOT)
     import bench_train
     import _common as C
     cfg = C.CONFIGS[config]
@@ -108,11 +107,9 @@ def main(argv=None):
     if args.child:
         return child(args.child, args.child_threads)
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     for item in args.env:
         name, _, value = item.partition("=")
         env[name] = value
-    sys.path.insert(0, ROOT)
     from microtensor.config import cpu_model
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.busy)]

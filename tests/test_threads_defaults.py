@@ -17,11 +17,14 @@ WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MICROTENSOR_OMP_DEFAULTS", "O
 def python(code, env_extra=None, timeout=120):
     """Run code in a fresh interpreter (a fresh OpenMP runtime), the waiting variables
     removed from its environment and env_extra added."""
+    import microtensor
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARS}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # the microtensor this process imported (a build in place, or an installed one)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(microtensor.__file__)))
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=timeout)
+                          env=env, timeout=timeout)
 
 
 SHOW = "import os, microtensor as mt; print(os.environ.get('OMP_WAIT_POLICY'))"
@@ -105,7 +108,6 @@ def step():
 """
 
 GPT = """
-import sys; sys.path.insert(0, 'benchmarks')
 from models import GPT, GPTConfig
 model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32,
                       dropout=0.0, bias=True))
@@ -156,7 +158,7 @@ def run_example(script, argv, env_extra=None, timeout=300):
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARS}
     env.update(env_extra or {})
     return subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *argv],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+                          capture_output=True, text=True, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
