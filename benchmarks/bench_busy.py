@@ -58,9 +58,9 @@ def _gpt_step(config):
     import bench_train
     import _common as C
     cfg = C.CONFIGS[config]
-    data, vocab = bench_train.encode_corpus(C.load_text())
+    data, vocab_size = bench_train.encode_corpus(C.load_text()[0])
     (x, y), = bench_train.make_batches(data, 1, cfg["batch_size"], cfg["block_size"], seed=0)
-    _, step = bench_train.build_mt(cfg, len(vocab), seed=0)
+    _, step = bench_train.build_mt(cfg, vocab_size, seed=0)
     return lambda: step(x, y)
 
 
