@@ -82,10 +82,13 @@ def machine():
     """The load, the CPUs, the CPU model and the thread count an example runs at by
     default: float32 results (the last digits of a loss, a sampled text, an accuracy
     near 100%) depend on the CPU's vector code, so each figure says where it was taken."""
-    from microtensor.config import cpu_model
-    from microtensor.threads import default_num_threads
-    return dict(load_average=round(os.getloadavg()[0], 1), cpus=os.cpu_count(),
-                cpu=cpu_model(), threads=default_num_threads())
+    m = dict(load_average=round(os.getloadavg()[0], 1), cpus=os.cpu_count())
+    try:
+        from microtensor.config import cpu_model
+        from microtensor.threads import default_num_threads
+    except ImportError:       # the examples' microtensor is not this process's: say less
+        return m
+    return dict(m, cpu=cpu_model(), threads=default_num_threads())
 
 
 # A busy machine slows even the CPU time of a single thread (shared caches, a vCPU's
