@@ -24,8 +24,8 @@ import time
 import _cli
 _cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
-# CPU seconds of the run with no arguments (one thread, so on an idle core also the wall
-# clock; the final sample included), as measured by docs/regenerate.py, which rewrites
+# CPU seconds of the run with no arguments (all its threads together, so about the wall
+# clock on one idle core; the final sample included), as measured by docs/regenerate.py, which rewrites
 # this line and the docs that quote it.
 DEFAULT_RUN_SECONDS = 87
 

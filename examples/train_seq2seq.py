@@ -20,8 +20,8 @@ _cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
 import numpy as np  # noqa: E402
 
-# CPU seconds of the run with no arguments (one thread, so on an idle core also the wall
-# clock), as measured by docs/regenerate.py, which rewrites this line and the docs that
+# CPU seconds of the run with no arguments (all its threads together, so about the wall
+# clock on one idle core), as measured by docs/regenerate.py, which rewrites this line and the docs that
 # quote it.
 DEFAULT_RUN_SECONDS = 94
 
