@@ -6,6 +6,14 @@ Set MICROTENSOR_DEBUG=1 to turn bounds checks back on (slower, for debugging a k
 Set MICROTENSOR_NATIVE=1 to compile with -march=native (faster, not portable).
 OpenMP is used when the compiler accepts it; otherwise the build is serial and says so.
 Set MICROTENSOR_BUILD_ONLY=microtensor._core (comma-separated) to rebuild some extensions only.
+Set MICROTENSOR_PARALLEL_MIN_SCALE=0 to build with the kernels' parallel thresholds off
+(benchmarks/bench_thresholds.py measures below them that way; any other number scales them).
+
+The build is quick by default: the extensions compile in parallel (one job per CPU, also
+under `pip install .`, through the build_ext below) and without debug information (-g0:
+the line tables of the generated C are most of the compile time and of the .so size, and
+only a debugger reads them; MICROTENSOR_DEBUG=1 keeps them). The flags used are recorded
+in microtensor/_build_config.py, which `mt.show_config()` prints.
 """
 import os
 import shutil
@@ -18,6 +26,7 @@ from glob import glob
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def compiler_accepts_openmp():
@@ -46,8 +55,51 @@ if not openmp:
           "will be built serial (correct, but using one core).\n" + "!" * 78 + "\n",
           file=sys.stderr)
 
-compile_args = ["-O3"] + (["-fopenmp"] if openmp else []) + (["-march=native"] if native else [])
+compile_args = (["-O3"] + (["-fopenmp"] if openmp else []) + (["-march=native"] if native else [])
+                # NOTE: after Python's own CFLAGS (which hold -g), so that it wins
+                + ([] if debug else ["-g0"]))
 link_args = ["-fopenmp"] if openmp else []
+parallel_min_scale = os.environ.get("MICROTENSOR_PARALLEL_MIN_SCALE", "1")
+float(parallel_min_scale)    # a number, or the build stops here
+macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+if parallel_min_scale != "1":
+    macros.append(("MT_PARALLEL_MIN_SCALE", parallel_min_scale))
+
+
+def jobs():
+    """Compile jobs: one per CPU this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class ParallelBuildExt(build_ext):
+    """build_ext with one compile job per CPU unless -j/--parallel says otherwise (pip
+    runs build_ext without options, so the default is what makes `pip install .` quick)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = jobs()
+
+
+def record_build_config():
+    """microtensor/_build_config.py: the flags of this build, for mt.show_config()."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    try:
+        version = subprocess.run(cc.split() + ["--version"], capture_output=True,
+                                 text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        version = cc
+    with open(os.path.join("microtensor", "_build_config.py"), "w") as f:
+        f.write('"""Written by setup.py at build time: how the extensions were compiled."""\n'
+                f"COMPILE_ARGS = {compile_args!r}\nOPENMP = {openmp!r}\nNATIVE = {native!r}\n"
+                f"DEBUG = {debug!r}\nPARALLEL_MIN_SCALE = {float(parallel_min_scale)!r}\n"
+                f"COMPILER = {version!r}\n")
+
+
+record_build_config()
 
 directives = {
     "language_level": 3,
@@ -67,12 +119,13 @@ for pyx in sorted(glob("microtensor/**/*.pyx", recursive=True)):
     extensions.append(Extension(
         name, [pyx],
         include_dirs=[np.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        define_macros=macros,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ))
 
 setup(
-    ext_modules=cythonize(extensions, compiler_directives=directives,
+    ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=jobs(),
                           compile_time_env={"MT_OPENMP": openmp}),
+    cmdclass={"build_ext": ParallelBuildExt},
 )

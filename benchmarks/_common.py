@@ -260,6 +260,13 @@ def machine_info(threads, torch=None):
         info["loadavg"] = os.getloadavg()
     except OSError:
         pass
+    # the kernel build and every BLAS loaded, as mt.show_config() prints them
+    from microtensor import config as mt_config
+    c = mt_config.config()
+    info["kernel_build"] = c["build"]
+    info["blas"] = c["blas"]
+    info["openmp_wait"] = c["openmp_wait"]
+    info["config_lines"] = mt_config.format_config(c)
     return info
 
 
@@ -273,6 +280,44 @@ def print_machine(info):
           f"torch {info['torch'] or 'not installed'}; "
           f"OPENBLAS_CORETYPE={info['OPENBLAS_CORETYPE']} OPENBLAS_L2_SIZE={info['OPENBLAS_L2_SIZE']}; "
           f"load average {tuple(round(x, 2) for x in info.get('loadavg', ()))}")
+    # CPU, kernel build, BLAS, threads, OpenMP waiting: mt.show_config()'s lines
+    for line in info.get("config_lines", ())[1:]:
+        print("#" + line[1:])
+
+
+# A timing table for the docs is taken on a quiet machine: above this 1-minute load
+# average at the start a benchmark refuses to time (earlier tables, taken at loads of
+# 3-5 on 2 cores, came out 1.3-3x slow), unless told it is a dry run.
+QUIET_LOAD = 0.3
+
+
+def check_quiet(allow_busy, prog):
+    """Exit with status 2 when the 1-minute load average is above QUIET_LOAD, unless
+    allow_busy; then print that the tables are a dry run, not for the docs. Returns
+    the load average (None where the system has none)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    if load > QUIET_LOAD:
+        if not allow_busy:
+            print(f"{prog}: error: the 1-minute load average is {load:.2f}, above "
+                  f"{QUIET_LOAD}: timings taken now are not fit for the docs. Wait for a quiet "
+                  "machine (run nothing else), or pass --allow-busy for a dry run.",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        print(f"# DRY RUN: load average {load:.2f} at the start (above {QUIET_LOAD}): "
+              "these timings are not for the docs")
+    return load
+
+
+def print_load_after():
+    try:
+        load = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    print(f"# load average after: {tuple(round(x, 2) for x in load)}")
+    return load
 
 
 # ---- data ------------------------------------------------------------------------

@@ -981,6 +981,10 @@ def main(argv=None):
                    help="print the table and draw --plot from the sweeps recorded in these "
                    "--json files (their configs in order; the last record of a config wins)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    p.add_argument("--allow-busy", action="store_true",
+                   help=f"time even when the 1-minute load average is above "
+                        f"{C.QUIET_LOAD} (a dry run: its tables are not for the docs; "
+                        "without it the benchmark refuses to start on a busy machine)")
     p.add_argument("--isolate", action="store_true",
                    help="run each engine in its own child process (rounds alternate "
                    "processes) instead of both in this one")
@@ -1014,6 +1018,8 @@ def main(argv=None):
     if not kept:
         p.error(f"no thread count of {','.join(map(str, counts))} fits the "
                 f"{len(C.available_cpus())} CPUs this process may run on")
+    # the load before anything of ours runs (--memory times nothing)
+    load_before = None if args.memory else C.check_quiet(args.allow_busy, p.prog)
     wants_torch = any(e.startswith("torch") for e in args.engines)
     torch = C.try_import_torch() if wants_torch else None
     if wants_torch and torch is None:
@@ -1027,7 +1033,8 @@ def main(argv=None):
     C.print_machine(info)
     text, source = C.load_text(args.data)
     print(f"# corpus: {source} ({len(text):,} chars, vocab {len(set(text))})")
-    record = {"bench": "train", "machine": info, "corpus": source}
+    record = {"bench": "train", "machine": info, "corpus": source, "load_before": load_before,
+              "dry_run": load_before is not None and load_before > C.QUIET_LOAD}
     if skipped:
         print(f"# skipped threads {', '.join(map(str, skipped))}: more than the "
               f"{len(C.available_cpus())} CPUs this process may run on")
@@ -1049,6 +1056,7 @@ def main(argv=None):
               f"{how}\n")
         print_results(results)
         record["results"] = results
+    record["load_after"] = C.print_load_after()
     if args.json is not None:
         C.emit_json(record, args.json)
     return record

@@ -79,7 +79,16 @@ def run_example(script, *argv, cwd=None):
 
 
 def machine():
-    return dict(load_average=round(os.getloadavg()[0], 1), cpus=os.cpu_count())
+    """The load, the CPUs, the CPU model and the thread count an example runs at by
+    default: float32 results (the last digits of a loss, a sampled text, an accuracy
+    near 100%) depend on the CPU's vector code, so each figure says where it was taken."""
+    m = dict(load_average=round(os.getloadavg()[0], 1), cpus=os.cpu_count())
+    try:
+        from microtensor.config import cpu_model
+        from microtensor.threads import default_num_threads
+    except ImportError:       # the examples' microtensor is not this process's: say less
+        return m
+    return dict(m, cpu=cpu_model(), threads=default_num_threads())
 
 
 # A busy machine slows even the CPU time of a single thread (shared caches, a vCPU's
@@ -91,6 +100,8 @@ TIMING = ("cpu_seconds", "wall_seconds", "quick_cpu_seconds", "machine")
 
 def busier(new, old):
     """True when `new`'s run time should not replace `old`'s (see TIMING)."""
+    if "machine" not in new:        # nothing timed (constants read from the sources)
+        return False
     load, cpus = new["machine"]["load_average"], new["machine"]["cpus"]
     if not old or "cpu_seconds" not in old or load <= cpus:
         return False
@@ -104,11 +115,26 @@ def conditions(v):
     if m.get("note"):
         return m["note"]
     load = m.get("load_average")
+    where = f"on the {m.get('cpus', 2)}-core development machine" + (
+        f" ({m['cpu']})" if m.get("cpu") else "")
     if load is None:
-        return "on the 2-core development machine"
+        return where
     busy = load > m.get("cpus", 2)
-    return (f"on the {m.get('cpus', 2)}-core development machine at a load average of {load:g}"
+    return (f"{where} at a load average of {load:g}"
             + (", a busy machine: less on an idle one" if busy else ""))
+
+
+def threads_used(v):
+    """'on one thread' (runs recorded before the examples took the library's default),
+    else 'at the default N threads'."""
+    n = (v.get("machine") or {}).get("threads")
+    return "on one thread" if n in (None, 1) else f"at the default {n} threads"
+
+
+def cpu_named(v):
+    """' on <CPU model>' when the record names the CPU, else ''."""
+    cpu = (v.get("machine") or {}).get("cpu")
+    return f" on {cpu}" if cpu else ""
 
 
 def sci(x):
@@ -381,8 +407,10 @@ class TrainCharDefault(Part):
                 f"peak learning rate of {sci(s['lr'])}."),
             "train_char_default_result": (
                 "Start-up and the final sample included, the run takes "
-                f"**{v['cpu_seconds']:.0f} s of CPU time** on one thread, which is the wall "
-                f"clock on an idle core ({conditions(v)}: {v['wall_seconds']:.0f} s of wall "
+                f"**{v['cpu_seconds']:.0f} s of CPU time** {threads_used(v)}"
+                + (", which is the wall clock on an idle core"
+                   if threads_used(v) == "on one thread" else "")
+                + f" ({conditions(v)}: {v['wall_seconds']:.0f} s of wall "
                 f"clock). The validation loss goes from {m[0]['val']:.2f} to "
                 f"**{m[-1]['val']:.2f} nats per character** (the unigram entropy of the text is "
                 f"{v['unigram']:.2f}):"),
@@ -420,8 +448,9 @@ class Seq2Seq(Part):
                 f"it stopped after {v['steps']:,} steps at **{v['test_acc']:.1%} exact match** "
                 f"on {v['n_test']:,} held-out strings{longest}, in {v['cpu_seconds']:.0f} s "
                 f"of CPU time ({conditions(v)})."),
-            "readme_seq2seq": (f"{v['test_acc']:.0%} exact match in about "
-                               f"{minutes(v['cpu_seconds'])}"),
+            "readme_seq2seq": (f"{v['test_acc']:.1%} exact match{cpu_named(v)}, in about "
+                               f"{minutes(v['cpu_seconds'])}; the last digit depends on the "
+                               "CPU"),
         }
 
 
@@ -458,7 +487,7 @@ class KernelConstants(Part):
         "attention_block": r"^_ATTENTION_BLOCK = (\d+)",
         "parallel_min_log2": r"^_PARALLEL_MIN = 1 << (\d+)",
         "parallel_min_memory_log2": r"^_PARALLEL_MIN_MEMORY_BOUND = 1 << (\d+)",
-        "gemm_parallel_min_log2": r"^cdef Py_ssize_t _PARALLEL_MIN_FLOPS = 1 << (\d+)",
+        "gemm_parallel_min_log2": r"^cdef double _PARALLEL_MIN_FLOPS = 1 << (\d+)",
         "small_matmul_log2": r"^cdef Py_ssize_t _SMALL_MATMUL = 1 << (\d+)",
     }
 
@@ -486,10 +515,12 @@ class KernelConstants(Part):
             "attention_blocks": (f"{v['attention_block_causal']} rows under `is_causal`, "
                                  f"{v['attention_block']} without"),
             "kernel_thresholds": (
-                "Memory-bound kernels (norms, embedding, dropout) go parallel from "
+                "Memory-bound kernels (norms, embedding, dropout) are given threads from "
                 f"2^{v['parallel_min_memory_log2']} elements, the others from "
-                f"2^{v['parallel_min_log2']}; a gemm of `_blas` splits its output rows over "
-                f"the threads from 2^{v['gemm_parallel_min_log2']} flops; `mt.matmul` hands "
+                f"2^{v['parallel_min_log2']}, and each kernel keeps one thread below its own "
+                "measured threshold besides (`threads_for` in `_common.pxd`, the constant "
+                "beside the kernel); a gemm of `_blas` splits its output rows over the threads "
+                f"from 2^{v['gemm_parallel_min_log2']} multiply-adds; `mt.matmul` hands "
                 f"products below 2^{v['small_matmul_log2']} multiply-adds to numpy."),
         }
 

@@ -51,6 +51,37 @@ def fail(prog, message, status=EXIT_USAGE):
     raise SystemExit(status)
 
 
+def warn(prog, message):
+    """Print `prog: warning: message` on stderr, one line."""
+    print(f"{prog}: warning: {message}", file=sys.stderr)
+
+
+def cpus_available():
+    """The CPUs this process may run on (its affinity mask), without importing numpy."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_threads(prog, threads):
+    """The --threads value to use (0: the library's default), settled before microtensor
+    is imported: a count above the CPUs this process may run on, from --threads or (when
+    --threads is 0) from OMP_NUM_THREADS, is lowered to that count with a one-line warning
+    (more threads than CPUs only wait for each other)."""
+    cpus = cpus_available()
+    if threads > cpus:
+        warn(prog, f"--threads {threads} is more than the {cpus} CPUs this process may run "
+                   f"on; using {cpus}")
+        return cpus
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if threads == 0 and env.isdigit() and int(env) > cpus:
+        warn(prog, f"OMP_NUM_THREADS={env} is more than the {cpus} CPUs this process may run "
+                   f"on; using {cpus}")
+        os.environ["OMP_NUM_THREADS"] = str(cpus)
+    return threads
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with its error on one line (no usage block above it)."""
 

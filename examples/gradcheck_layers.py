@@ -291,14 +291,15 @@ def main(argv=None):
                                                "(default: every case)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="list the checked tensors of each case")
-    parser.add_argument("--threads", type=_cli.nonnegative_int, default=1,
-                        help="microtensor kernel threads, 0 = the library's default (tiny "
-                             "tensors: one is fastest; default: 1)")
+    parser.add_argument("--threads", type=_cli.nonnegative_int, default=0,
+                        help="microtensor kernel threads (default: 0 = the library's "
+                             "default, the physical cores; tensors this small run on one)")
     parser.add_argument("--second_order", choices=["fast", "full", "off"], default="fast",
                         help="the gradgradcheck column: fast checks "
                              f"{SECOND_ORDER_DIRECTIONS} random directions per case, full "
                              "every element (many minutes), off skips it (default: fast)")
     args = parser.parse_args(argv)
+    args.threads = _cli.resolve_threads(parser.prog, args.threads)
     if args.threads > 0:
         mt.set_num_threads(args.threads)
     cases = [(n, b) for n, b in CASES if args.k in n]

@@ -22,7 +22,7 @@ DEFAULTS = dict(
     top_p=None,           # keep the smallest set with this total probability; None = all
     seed=1337,
     num_samples=1,
-    threads=1,            # see train_char.py: a second thread rarely pays on 2 shared cores
+    threads=0,            # 0: the library's default (the physical cores)
 )
 
 
@@ -55,7 +55,7 @@ def build_parser():
     option("seed", _cli.seed_int, "random seed (>= 0)")
     option("num_samples", _cli.positive_int, "number of samples (>= 1)")
     option("threads", _cli.nonnegative_int, "threads for microtensor's kernels and BLAS; "
-                                            "0 = the libraries' defaults (all cores)")
+                                            "0 = the library's default (the physical cores)")
     return p
 
 
@@ -67,6 +67,7 @@ def main(argv=None):
     def fail(message):
         _cli.fail(prog, message)
 
+    args.threads = _cli.resolve_threads(prog, args.threads)
     if args.threads > 0:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(args.threads)

@@ -24,8 +24,8 @@ import time
 import _cli
 _cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
-# CPU seconds of the run with no arguments (one thread, so on an idle core also the wall
-# clock; the final sample included), as measured by docs/regenerate.py, which rewrites
+# CPU seconds of the run with no arguments (all its threads together, so about the wall
+# clock on one idle core; the final sample included), as measured by docs/regenerate.py, which rewrites
 # this line and the docs that quote it.
 DEFAULT_RUN_SECONDS = 87
 
@@ -69,10 +69,9 @@ DEFAULTS = dict(
     grad_clip=1.0,           # 0 disables clipping
     # system
     seed=1337,
-    # NOTE: one thread by default. On 2 shared cores, threads that wait for each other at
-    # every op made a step 4-9x slower as soon as any other process ran, and matrices this
-    # small gain little from a second thread. --threads 0 keeps the libraries' defaults.
-    threads=1,
+    # 0: the library's default (the physical cores; kernels too small to gain from a
+    # second thread run on one, see docs/TRAINING.md); --threads n sets n
+    threads=0,
     sample_chars=500,        # length of the sample printed at the end (0 = none)
     grad_stats=False,        # at each evaluation, the gradient norm at each block's input
 )
@@ -181,8 +180,8 @@ def build_parser():
     system = p.add_argument_group("system")
     option("seed", "seed for initialisation, dropout and batch sampling (>= 0)",
            _cli.seed_int, system)
-    option("threads", "threads for microtensor's kernels and BLAS; 0 = the libraries' "
-           "defaults (all cores)", _cli.nonnegative_int, system)
+    option("threads", "threads for microtensor's kernels and BLAS; 0 = the library's "
+           "default (the physical cores)", _cli.nonnegative_int, system)
     system.add_argument("--compile", action=argparse.BooleanOptionalAction,
                         default=argparse.SUPPRESS,
                         help="run the training step through mt.compile: its ops are recorded "
@@ -229,7 +228,7 @@ def train(argv, cleanup):
 
     # Threads first: OpenBLAS reads these when numpy is imported (a no-op when main()
     # runs inside a process that already imported numpy; set_blas_threads covers that).
-    threads = given.get("threads", DEFAULTS["threads"])
+    threads = _cli.resolve_threads(prog, given.get("threads", DEFAULTS["threads"]))
     if threads > 0:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(threads)

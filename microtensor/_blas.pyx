@@ -20,9 +20,15 @@ the Python entry), which the attention kernels call too.
 import numpy as np
 from cython.parallel cimport prange
 cimport cython
-from microtensor._common cimport real, bounded_threads, gemm as rowmajor_gemm
+from microtensor._common cimport (real, bounded_threads, threads_for, MT_PARALLEL_MIN_SCALE,
+                                  gemm as rowmajor_gemm)
 
-cdef Py_ssize_t _PARALLEL_MIN_FLOPS = 1 << 17   # below this a second thread costs more
+# Parallel threshold (multiply-adds, M * N * K; see threads_for in _common.pxd): sgemm
+# at one thread took 0.020-0.034 ns a multiply-add on a 2-core Intel Xeon (Sapphire
+# Rapids class; (64, 64) @ (64, 64) 9 us, (64, 256) @ (256, 256) 96 us, best of many
+# runs): about 50 us at the bound. (It was 1 << 17, about 4 us: a small model's every
+# matmul went parallel.)
+cdef double _PARALLEL_MIN_FLOPS = 1 << 21
 
 
 # ---- scipy's OpenBLAS: one thread, once ---------------------------------------------
@@ -122,7 +128,7 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
     # NOTE: not bounded_threads: the row split can change float32 bits (OpenBLAS picks its
     # kernel by block shape), so a count above that bound's 256 splits as it always did
     cdef int nthreads = num_threads
-    if <double>M * N * K < _PARALLEL_MIN_FLOPS or nthreads < 1:
+    if <double>M * N * K < _PARALLEL_MIN_FLOPS * MT_PARALLEL_MIN_SCALE or nthreads < 1:
         nthreads = 1
     cdef char cta = b'T' if ta else b'N'
     cdef char ctb = b'T' if tb else b'N'
@@ -175,7 +181,7 @@ def batched_gemm(a, b, out=None, int num_threads=1):
     cdef int lda = a_st.shape[2], ldb = b_st.shape[2]
     cdef char fa = b'T' if ta else b'N'
     cdef char fb = b'T' if tb else b'N'
-    cdef int nthreads = bounded_threads(num_threads) if <double>L * M * N * K >= _PARALLEL_MIN_FLOPS else 1
+    cdef int nthreads = threads_for(<double>L * M * N * K, _PARALLEL_MIN_FLOPS, num_threads)
     cdef Py_ssize_t i, sa = <Py_ssize_t>M * K, sb = <Py_ssize_t>K * N, sc = <Py_ssize_t>M * N
     cdef float alpha_f = 1, beta_f = 0
     cdef double alpha_d = 1, beta_d = 0

@@ -1,6 +1,6 @@
 # Declarations shared by microtensor's Cython extensions (cimport, never import):
 #
-#   from microtensor._common cimport real, gemm, bounded_threads
+#   from microtensor._common cimport real, gemm, bounded_threads, threads_for
 #
 # Everything here is a type or an inline function, so there is no _common module to
 # build: each extension that cimports it compiles its own copy of what it uses.
@@ -19,6 +19,37 @@ cdef inline int bounded_threads(long n) noexcept nogil:
     if n < 1:
         return 1
     return <int>n if n < 256 else 256
+
+
+# ---- when a kernel goes parallel -------------------------------------------------------
+#
+# Opening and closing a parallel region costs about 6 us on a quiet 2-core Intel Xeon
+# (Sapphire Rapids class, KVM guest; OMP_WAIT_POLICY=PASSIVE: the worker is woken
+# from sleep): the 2-thread minus the 1-thread time of a small kernel, best of many runs
+# (benchmarks/bench_thresholds.py). On a busy machine the same region waits for a core
+# someone else holds. So a kernel goes parallel only when one thread would spend about
+# 50 us in it (eight wake-ups' worth): each kernel names its threshold, a work size in
+# its own units (elements, multiply-adds), beside it, with the per-unit cost measured at
+# one thread, and asks threads_for() for its team.
+#
+# MT_PARALLEL_MIN_SCALE multiplies every threshold at compile time (setup.py passes
+# MICROTENSOR_PARALLEL_MIN_SCALE; 1 by default): 0 turns them off, which is how
+# bench_thresholds.py measures below them.
+cdef extern from *:
+    """
+    #ifndef MT_PARALLEL_MIN_SCALE
+    #define MT_PARALLEL_MIN_SCALE 1
+    #endif
+    """
+    double MT_PARALLEL_MIN_SCALE
+
+
+cdef inline int threads_for(double work, double min_work, long num_threads) noexcept nogil:
+    """The team for `work` units when `min_work` is the kernel's threshold: one thread
+    below it, else num_threads clamped to [1, 256] (bounded_threads)."""
+    if work < min_work * MT_PARALLEL_MIN_SCALE:
+        return 1
+    return bounded_threads(num_threads)
 
 
 cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,

@@ -19,8 +19,8 @@ cdef extern from *:
 
 from libc.math cimport exp, expf, log, sqrt, erf, erfc, fabs, fabsf, INFINITY, NAN
 from libc.stdlib cimport malloc, free
-# the float types (real) and the thread bound (bounded_threads) of every extension
-from microtensor._common cimport real, bounded_threads
+# the float types (real) and the thread bound (bounded_threads, threads_for) of every extension
+from microtensor._common cimport real, bounded_threads, threads_for
 
 
 cdef union _f32_bits:

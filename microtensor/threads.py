@@ -19,6 +19,7 @@ import numpy as np  # noqa: F401  (importing numpy is what loads its BLAS)
 from threadpoolctl import ThreadpoolController
 
 from microtensor import _core
+from microtensor._omp_env import OMP_DEFAULTS, settings as omp_settings  # noqa: F401
 
 
 def _loaded_blas():
@@ -133,13 +134,32 @@ def physical_cores():
     return max(1, len(cpus))
 
 
+def usable_threads(n, what="threads"):
+    """n, or the number of CPUs this process may run on when n is more: more OpenMP
+    threads than CPUs only makes them wait for each other. Returns (count, warning),
+    the warning a one-line message when n was lowered, else None; `what` names where n
+    came from in that message (e.g. "--threads" or "OMP_NUM_THREADS")."""
+    n = int(n)
+    cpus = len(_allowed_cpus())
+    if n > cpus:
+        return cpus, (f"{what} {n} is more than the {cpus} CPU{'s' if cpus != 1 else ''} "
+                      f"this process may run on; using {cpus}")
+    return n, None
+
+
 def default_num_threads():
     """The thread count `set_threads()` uses when given none: OMP_NUM_THREADS when it
-    is set to a positive integer, else the physical cores this process may run on
-    (`physical_cores()`, as PyTorch's default), capped by the container's CPU quota."""
+    is set to a positive integer (at most the CPUs this process may run on: a larger
+    value is lowered to that with a warning, never an error), else the physical cores
+    this process may run on (`physical_cores()`, as PyTorch's default), capped by the
+    container's CPU quota."""
     env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if env.isdigit() and int(env) > 0:
-        return int(env)
+        n, warning = usable_threads(int(env), "OMP_NUM_THREADS=")
+        if warning:
+            import warnings
+            warnings.warn(warning.replace("= ", "="), RuntimeWarning, stacklevel=2)
+        return n
     n = physical_cores()
     limit = _cgroup_cpu_limit()
     return max(1, min(n, limit) if limit else n)

@@ -78,7 +78,7 @@ def test_bench_matmul_runs():
 
 
 def test_bench_train_runs():
-    out = run_script("bench_train.py", "--config", "tiny", "--steps", "2", "--warmup", "0",
+    out = run_script("bench_train.py", "--allow-busy", "--config", "tiny", "--steps", "2", "--warmup", "0",
                      "--rounds", "1", "--threads", "1", "--engines", "mt,torch", "--json")
     assert "ms/step (median)" in out
     rec = last_json(out)
@@ -95,7 +95,7 @@ def test_bench_train_runs():
 def test_bench_train_compiled_engine():
     # mt.compile of the whole step: its row, and the same losses as eager mode, bitwise
     # (torch.compile left out: its compilation takes tens of seconds)
-    out = run_script("bench_train.py", "--config", "tiny", "--steps", "2", "--warmup", "0",
+    out = run_script("bench_train.py", "--allow-busy", "--config", "tiny", "--steps", "2", "--warmup", "0",
                      "--rounds", "1", "--threads", "1", "--engines", "mt,mt-compiled,torch",
                      "--json")
     assert "microtensor-compiled" in out
@@ -111,6 +111,41 @@ def test_bench_train_compiled_engine():
     if "torch" in res["engines"]:
         assert "ratio_mt_compiled_over_torch" in res and "ratio_mt_over_torch" in res
     assert "torch-compiled" not in res["engines"] and "torch_compile" not in res
+
+
+def test_bench_train_header_names_cpu_build_blas_and_load(monkeypatch, capsys):
+    import microtensor as mt
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.05, 0.1, 0.2))   # a quiet machine
+    rec = bench_train.main(["--config", "tiny", "--steps", "1", "--warmup", "0", "--rounds", "1",
+                            "--threads", "1", "--no-torch", "--engines", "mt"])
+    out = capsys.readouterr().out
+    c = mt.config.config()
+    assert c["cpu"] in out and "kernel build" in out and "fused kernels" in out
+    assert f"{c['build']['fused_kernels']};" in out
+    for lib in c["blas"]:
+        assert f"{lib['corename']} kernel" in out
+    assert "# load average after: (0.05, 0.1, 0.2)" in out
+    assert rec["load_before"] == 0.05 and rec["load_after"] == (0.05, 0.1, 0.2)
+    assert rec["dry_run"] is False and "DRY RUN" not in out
+    assert rec["machine"]["kernel_build"]["fused_kernels"] == c["build"]["fused_kernels"]
+
+
+@pytest.mark.parametrize("load", [0.31, 4.0])
+def test_bench_train_refuses_to_time_on_a_busy_machine(monkeypatch, capsys, load):
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 1.0, 1.0))
+    argv = ["--config", "tiny", "--steps", "1", "--warmup", "0", "--rounds", "1",
+            "--threads", "1", "--no-torch", "--engines", "mt"]
+    with pytest.raises(SystemExit) as e:
+        bench_train.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"load average is {load:.2f}, above 0.3" in err and "--allow-busy" in err
+    # a dry run: it times, and says its tables are not for the docs
+    rec = bench_train.main(argv + ["--allow-busy"])
+    assert rec["dry_run"] is True and "DRY RUN" in capsys.readouterr().out
+    # at the bound itself the machine counts as quiet
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 1.0, 1.0))
+    assert bench_train.main(argv)["dry_run"] is False
 
 
 def test_bench_train_engines_argument():
@@ -145,7 +180,7 @@ def test_bench_train_thread_sweep(tmp_path, capsys, restore_threads):
     # count above the CPUs, which is skipped
     plot, record = tmp_path / "scaling.png", tmp_path / "sweep.jsonl"
     too_many = len(os.sched_getaffinity(0)) + 1
-    bench_train.main(["--config", "tiny", "--engines", "mt,torch",
+    bench_train.main(["--config", "tiny", "--engines", "mt,torch", "--allow-busy",
                       "--threads", f"1,2,{too_many}", "--steps", "1",
                       "--warmup", "0", "--rounds", "1", "--ceiling-repeats", "1",
                       "--ceiling-min-time", "0", "--json", str(record), "--plot", str(plot)])
@@ -189,7 +224,7 @@ def test_bench_train_threads_argument():
 
 
 def test_bench_train_profile_runs():
-    out = run_script("bench_train.py", "--config", "tiny", "--profile", "--profile-steps", "1",
+    out = run_script("bench_train.py", "--allow-busy", "--config", "tiny", "--profile", "--profile-steps", "1",
                      "--threads", "1", "--no-torch", "--json")
     rec = last_json(out)
     (prof,) = rec["profile"]
@@ -203,7 +238,7 @@ def test_bench_train_profile_runs():
 
 
 def test_bench_train_memory_runs():
-    out = run_script("bench_train.py", "--config", "tiny", "--memory", "--steps", "1",
+    out = run_script("bench_train.py", "--allow-busy", "--config", "tiny", "--memory", "--steps", "1",
                      "--threads", "1", "--engines", "mt,mt-compiled,torch", "--json")
     rec = last_json(out)
     for e in ("microtensor", "microtensor-compiled"):
@@ -282,6 +317,7 @@ def test_physical_cores_counts_smt_siblings_once(tmp_path, monkeypatch):
 def test_default_num_threads_policy(tmp_path, monkeypatch):
     from microtensor import threads
     monkeypatch.setattr(threads, "physical_cores", lambda: 8)
+    monkeypatch.setattr(threads, "_allowed_cpus", lambda: list(range(8)))
     quota = tmp_path / "cpu.max"
     monkeypatch.setattr(threads, "_CGROUP_QUOTA", ((str(quota), None),))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -294,6 +330,9 @@ def test_default_num_threads_policy(tmp_path, monkeypatch):
     assert threads.default_num_threads() == 5          # the environment wins
     monkeypatch.setenv("OMP_NUM_THREADS", "junk")
     assert threads.default_num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "300")       # above the CPUs: lowered, warned
+    with pytest.warns(RuntimeWarning, match="OMP_NUM_THREADS=300 is more than the 8 CPUs"):
+        assert threads.default_num_threads() == 8
 
 
 def test_set_threads_defaults_to_physical_cores():

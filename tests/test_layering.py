@@ -10,7 +10,8 @@ must point to the same layer or one below:
                 distributed, _grads, generator, inspect (instruments built on the
                 engine's hooks)
     1 nn        microtensor.nn, and the package facade `microtensor` (its __init__ may
-                import nn; so importing the facade counts as importing nn), coverage
+                import nn; so importing the facade counts as importing nn), coverage,
+                config (show_config reads which build of the fused kernels nn loaded)
     2 models    models/ (public APIs only: nothing named with a leading underscore)
     3 examples  examples/ (and its helpers _cli, chardata)
 """
@@ -35,7 +36,7 @@ MICROTENSOR = {
     "ops_linalg": ENGINE, "optim": ENGINE, "profiler": ENGINE, "serialization": ENGINE,
     "threads": ENGINE, "creation": ENGINE, "grad_mode": ENGINE, "versions": ENGINE,
     "registry": ENGINE, "_common": ENGINE, "capture": ENGINE, "compiler": ENGINE,
-    "generator": ENGINE, "nn": NN, "coverage": NN,
+    "generator": ENGINE, "nn": NN, "coverage": NN, "config": NN,
 }
 # the files `include`d into an extension belong to it
 INCLUDED_IN = {"autograd_engine": "_core", "tensor": "_core", "ops_pointwise": "_core",

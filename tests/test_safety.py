@@ -7,6 +7,7 @@ child process, so that a regression fails one test instead of ending the whole r
 Where PyTorch defines the behaviour, the test says so and compares with it.
 """
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -761,6 +762,17 @@ def layer_norm_ref(x, w, b, up, eps=1e-5, rms=False):
     return grads
 
 
+def parallel_min(source, name):
+    """A kernel's parallel threshold, `cdef double NAME = 1 << k` in microtensor/<source>:
+    the threaded tests below take sizes above it, or they would test one thread twice."""
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "microtensor", source)
+    with open(path) as f:
+        (k,) = re.findall(rf"^cdef double {name} = 1 << (\d+)", f.read(), re.M)
+    return 1 << int(k)
+
+
 def check_threaded(threads, fn, arrays, reference, recorder, kernels, position=-1,
                    rtol=1e-10, dtype=np.float64):
     """fn with 1 and with 2 threads (the float inputs cast to dtype): equal to each other
@@ -816,8 +828,9 @@ def softmax_ref(x, up, log=False):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("log", [False, True])
 def test_softmax_threaded(threads, log, dtype):
-    x = rng.standard_normal((300, 200))                  # 60,000 >= 2**15
+    x = rng.standard_normal((400, 200))                  # 80,000 >= 2**16
     assert x.size >= F._PARALLEL_MIN
+    assert x.size >= parallel_min("_fused.pyx", "_SOFTMAX_BACKWARD_PARALLEL_MIN")
     name = "log_softmax" if log else "softmax"
     check_threaded(threads, lambda x: getattr(F, name)(x, -1), [x],
                    lambda x, up: softmax_ref(x, up, log), threads.fused,
@@ -842,6 +855,7 @@ def elementwise_ref(name, x, up):
 @pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])
 def test_elementwise_threaded(threads, name, dtype):
     x = rng.standard_normal(50_000) * 3
+    assert x.size >= parallel_min("_fused.pyx", "_GELU_PARALLEL_MIN")
     fn = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}[name]
     kernel = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu": "silu"}[name]
     check_threaded(threads, fn, [x], lambda x, up: elementwise_ref(name, x, up), threads.fused,
@@ -851,6 +865,7 @@ def test_elementwise_threaded(threads, name, dtype):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_cross_entropy_threaded(threads, dtype):
     x = rng.standard_normal((400, 100))
+    assert x.size >= parallel_min("_fused.pyx", "_CROSSENTROPY_PARALLEL_MIN")
     t = rng.integers(0, 100, 400)
     t[::7] = -100                                         # some rows ignored
 
@@ -870,6 +885,7 @@ def test_embedding_threaded(threads, dtype):
     # backward splits the columns over threads (repeated ids would race over rows)
     W = rng.standard_normal((50, 64))
     ids = rng.integers(0, 50, 5000)                       # 320,000 >= 2**18, many repeats
+    assert ids.size * W.shape[1] >= parallel_min("_fused.pyx", "_COPY_PARALLEL_MIN")
 
     def ref(ids, W, up):
         dW = np.zeros_like(W)
@@ -881,6 +897,7 @@ def test_embedding_threaded(threads, dtype):
 
 def test_dropout_threaded(threads):
     x = rng.standard_normal(300_000)
+    assert x.size >= parallel_min("_fused.pyx", "_COPY_PARALLEL_MIN")
 
     def run():
         mt.manual_seed(5)
@@ -913,10 +930,11 @@ def attention_ref(q, k, v, up, causal=False):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_threaded(threads, causal, dtype):
-    # threads take whole (b, h) pairs above 2**15 multiply-adds; 200 query rows make
-    # two row blocks (block = 128, or 64 when causal)
+    # threads take whole (b, h) pairs above _ATTENTION_PARALLEL_MIN (BH Tq Tk hs); 200
+    # query rows make two row blocks (block = 128, or 64 when causal)
     q = rng.standard_normal((2, 2, 200, 16))
     k = rng.standard_normal((2, 2, 150, 16))
+    assert 4 * 200 * 150 * 16 >= parallel_min("_fused_attention.pyx", "_ATTENTION_PARALLEL_MIN")
     v = rng.standard_normal((2, 2, 150, 8))
     check_threaded(threads,
                    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
@@ -928,10 +946,10 @@ def test_attention_threaded(threads, causal, dtype):
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gemm_threaded(ta, tb, dtype):
-    # _blas.gemm splits output rows over threads above 2**17 multiply-adds; 131 rows do
-    # not split evenly
-    M, K, N = 131, 40, 50
-    assert M * K * N >= 1 << 17
+    # _blas.gemm splits output rows over threads from _PARALLEL_MIN_FLOPS multiply-adds;
+    # 131 rows do not split evenly
+    M, K, N = 131, 128, 130
+    assert M * K * N >= parallel_min("_blas.pyx", "_PARALLEL_MIN_FLOPS")
     a = rng.standard_normal((K, M) if ta else (M, K)).astype(dtype)
     b = rng.standard_normal((N, K) if tb else (K, N)).astype(dtype)
     a_op, b_op = (a.T if ta else a), (b.T if tb else b)
@@ -948,19 +966,21 @@ def test_gemm_threaded(ta, tb, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_linear_threaded(threads, dtype):
-    x = rng.standard_normal((3, 50, 40))
-    w = rng.standard_normal((60, 40))
-    b = rng.standard_normal(60)
+    x = rng.standard_normal((3, 131, 128))                # 393 rows: an odd split
+    w = rng.standard_normal((130, 128))
+    b = rng.standard_normal(130)
+    assert 393 * 128 * 130 >= parallel_min("_blas.pyx", "_PARALLEL_MIN_FLOPS")
     check_threaded(threads, F.linear, [x, w, b],
                    lambda x, w, b, up: [x @ w.T + b, up @ w,
-                                        up.reshape(-1, 60).T @ x.reshape(-1, 40),
-                                        up.reshape(-1, 60).sum(0)],
+                                        up.reshape(-1, 130).T @ x.reshape(-1, 128),
+                                        up.reshape(-1, 130).sum(0)],
                    threads.fused, [], rtol=1e-12, dtype=dtype)
 
 
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, True)])
 def test_batched_gemm_threaded(ta, tb):
-    L, M, K, N = 6, 30, 40, 50
+    L, M, K, N = 5, 30, 120, 150
+    assert L * M * K * N >= parallel_min("_blas.pyx", "_PARALLEL_MIN_FLOPS")
     a = rng.standard_normal((L, K, M) if ta else (L, M, K))
     b = rng.standard_normal((L, N, K) if tb else (L, K, N))
     a_op = a.transpose(0, 2, 1) if ta else a
@@ -983,6 +1003,7 @@ def test_batched_gemm_checks_out():
 def test_optimizer_threaded(kind):
     # the update kernels split the elements over threads above 2**15 elements
     n = 33_000                                           # >= 2**15
+    assert n >= parallel_min("optim/_adamw.pyx", "_PARALLEL_MIN")
     p0, grads = rng.standard_normal(n), [rng.standard_normal(n) for _ in range(3)]
     results = []
     before = mt.get_num_threads()
@@ -1012,8 +1033,9 @@ def test_optimizer_threaded(kind):
 
 
 def test_clip_grad_norm_threaded():
-    # the core's sum-of-squares kernel reduces over threads above 2**15 elements
-    g = rng.standard_normal(100_000).astype(np.float32)
+    # the core's sum-of-squares kernel reduces over threads above its threshold
+    g = rng.standard_normal(200_000).astype(np.float32)
+    assert g.size >= parallel_min("kernels.pxi", "_PARALLEL_MIN")
     totals = []
     before = mt.get_num_threads()
     try:
