@@ -68,7 +68,7 @@ from microtensor.threads import (set_blas_threads, get_blas_threads, blas_info, 
                                  default_num_threads, physical_cores)
 # the kernels' threads: the one policy (OMP_NUM_THREADS, else the physical cores)
 set_num_threads(default_num_threads())
-from microtensor.config import show_config
+from microtensor.buildinfo import show_config, config
 from microtensor.serialization import save, load
 # mt.distributed: importing it does not import mpi4py (only distributed.init() under MPI does)
 from microtensor import distributed

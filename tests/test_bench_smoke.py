@@ -119,7 +119,7 @@ def test_bench_train_header_names_cpu_build_blas_and_load(monkeypatch, capsys):
     rec = bench_train.main(["--config", "tiny", "--steps", "1", "--warmup", "0", "--rounds", "1",
                             "--threads", "1", "--no-torch", "--engines", "mt"])
     out = capsys.readouterr().out
-    c = mt.config.config()
+    c = mt.config()
     assert c["cpu"] in out and "kernel build" in out and "fused kernels" in out
     assert f"{c['build']['fused_kernels']};" in out
     for lib in c["blas"]:

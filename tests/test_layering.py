@@ -36,7 +36,7 @@ MICROTENSOR = {
     "ops_linalg": ENGINE, "optim": ENGINE, "profiler": ENGINE, "serialization": ENGINE,
     "threads": ENGINE, "creation": ENGINE, "grad_mode": ENGINE, "versions": ENGINE,
     "registry": ENGINE, "_common": ENGINE, "capture": ENGINE, "compiler": ENGINE,
-    "generator": ENGINE, "nn": NN, "coverage": NN, "config": NN,
+    "generator": ENGINE, "nn": NN, "coverage": NN, "buildinfo": NN,
 }
 # the files `include`d into an extension belong to it
 INCLUDED_IN = {"autograd_engine": "_core", "tensor": "_core", "ops_pointwise": "_core",

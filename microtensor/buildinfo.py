@@ -1,4 +1,4 @@
-"""What this microtensor runs on: `mt.show_config()`.
+"""What this microtensor runs on: `mt.show_config()`, and `mt.config()`, the same as a dict.
 
     >>> import microtensor as mt
     >>> mt.show_config()
