@@ -124,6 +124,8 @@ cdef class Tensor:
 
     @property
     def grad(self):
+        if _capture_hook is not None:
+            _capture_hook(self, "t.grad")        # a recording re-reads it at replay
         return self._grad
 
     @grad.setter
@@ -178,6 +180,8 @@ cdef class Tensor:
     @property
     def data(self):
         """A tensor sharing this one's storage, detached from the graph."""
+        if _capture_hook is not None:
+            _capture_hook(self, "t.data")        # a recording re-reads it at replay
         return Tensor._wrap(self._data)
 
     @data.setter
@@ -308,12 +312,15 @@ cdef class Tensor:
         return _cast(self, self._data.dtype, True)
 
     def __float__(self):
+        _seen(self, "float(t)")
         return float(self.item())
 
     def __int__(self):
+        _seen(self, "int(t)")
         return int(self.item())
 
     def __index__(self):
+        _seen(self, "t used as an index (operator.index)")
         if self._data.dtype.kind not in "iu" or self._data.size != 1:
             raise TypeError("only integer tensors of a single element can be converted to an index")
         return int(self.item())
@@ -331,6 +338,7 @@ cdef class Tensor:
         return self._data.shape[0]
 
     def __iter__(self):
+        _seen(self, "iteration over t")
         if self._data.ndim == 0:
             raise TypeError("iteration over a 0-d tensor")
         return (self[i] for i in range(self._data.shape[0]))
@@ -361,11 +369,13 @@ cdef class Tensor:
 
     def __format__(self, spec):
         # f"{loss:.4f}": a one-element tensor formats as its number, as in torch
+        _seen(self, "format(t)")
         if self._data.ndim == 0:
             return format(self._data.item(), spec)
         return object.__format__(self, spec) if spec else repr(self)
 
     def __repr__(self):
+        _seen(self, "repr(t) or str(t)")
         body = np.array2string(self._data, separator=", ", precision=4,
                                prefix="tensor(", threshold=200)
         extras = []
@@ -523,6 +533,14 @@ cdef inline int _seen(Tensor t, str what) except -1:
     if _capture_hook is not None:
         _capture_hook(t, what)
     return 0
+
+
+def capture_read(t, what):
+    """The door for code outside the core: an op whose result is a Python value read
+    from a tensor (mt.equal, mt.allclose) or whose output shape depends on its values
+    (nonzero, unique, masked_select) calls this first, so mt.compile can see it."""
+    if _capture_hook is not None and isinstance(t, Tensor):
+        _capture_hook(t, what)
 
 
 cdef object _inplace_operand(object other):

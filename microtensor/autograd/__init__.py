@@ -123,16 +123,24 @@ class Function:
 
     @classmethod
     def apply(cls, *args):
-        ctx = _FunctionNode()
-        ctx.fn = cls
-        arrays = [a._data if isinstance(a, Tensor) else a for a in args]
-        with no_grad():
-            out = cls.forward(ctx, *arrays)
-        out = wrap(np.asarray(out._data if isinstance(out, Tensor) else out))
-        inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
-        if needs_graph(inputs):
-            attach(out, ctx, inputs)
-        return out
+        # under mt.compile one call is one record: the replay runs forward and attaches
+        # the node again (microtensor/capture/recorder.py)
+        return _capture.record_call(f"{cls.__name__}.apply", _apply, (cls,) + args)
 
 
+def _apply(cls, *args):
+    """Function.apply's work: forward on the arrays, then the node attached."""
+    ctx = _FunctionNode()
+    ctx.fn = cls
+    arrays = [a._data if isinstance(a, Tensor) else a for a in args]
+    with no_grad():
+        out = cls.forward(ctx, *arrays)
+    out = wrap(np.asarray(out._data if isinstance(out, Tensor) else out))
+    inputs = tuple(a if isinstance(a, Tensor) else None for a in args)
+    if needs_graph(inputs):
+        attach(out, ctx, inputs)
+    return out
+
+
+from microtensor.capture import recorder as _capture  # noqa: E402
 from microtensor.autograd import functional  # noqa: E402  (it uses grad, defined above)
