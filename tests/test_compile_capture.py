@@ -495,3 +495,106 @@ def test_every_value_read_passes_the_door():
     assert len(exercised) > 350, len(exercised)      # the enumeration really ran
     for name in ("mt.equal", "t.item", "t.__repr__", "mt.nonzero", "mt.unique"):
         assert name.split(".")[-1] in {e.split(".")[-1] for e in exercised}, name
+
+
+# -- issue 21: guards one module at a time, key fields one at a time ------------------------
+class _Block(mt.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = mt.nn.Linear(4, 4)
+        self.drop = mt.nn.Dropout(0.5)
+        self.register_buffer("shift", mt.zeros(4))
+
+    def forward(self, x):
+        return self.drop(self.lin(x)) + self.shift
+
+
+class TestGuardsAndKeys:
+    """Each guard and each key field changed alone must stop the old plan's replay."""
+    N_BLOCKS = 3
+
+    def _model(self):
+        mt.manual_seed(0)
+        return mt.nn.Sequential(*[_Block() for _ in range(self.N_BLOCKS)])
+
+    def _check_after(self, change):
+        model = self._model()
+        g = mt.compile(lambda x: model(x))
+        x = _x(0, (2, 4))
+        for i in range(3):
+            mt.manual_seed(i)
+            g(x)
+        assert g.calls["replayed"] == 1
+        change(model)
+        for i in range(3):
+            mt.manual_seed(10 + i)
+            want = _np(model(x))
+            mt.manual_seed(10 + i)
+            got = _np(g(x))
+            assert _same(got, want), f"call {i} after the change"
+
+    @pytest.mark.parametrize("k", range(N_BLOCKS))
+    def test_training_flag_of_each_module(self, k):
+        self._check_after(lambda m: m[k].drop.eval())
+
+    @pytest.mark.parametrize("k", range(N_BLOCKS))
+    def test_identity_of_each_modules_parameters(self, k):
+        def change(m):
+            m[k].lin.weight = mt.nn.Parameter(mt.randn(4, 4))
+        self._check_after(change)
+
+    @pytest.mark.parametrize("k", range(N_BLOCKS))
+    def test_identity_of_each_modules_buffers(self, k):
+        def change(m):
+            m[k].shift = mt.ones(4)
+        self._check_after(change)
+
+    @staticmethod
+    def _f(x, k, scale=1.0):
+        """Python that reads every key field: a plan replayed for another key gives
+        another answer."""
+        base = x * 2 if x.requires_grad else x * 3
+        if x.shape[0] != 2:
+            base = base.flip(0)
+        if x.dtype != mt.float32:
+            base = base + 0.5
+        base = base + 1 if mt.is_grad_enabled() else base - 1
+        return base, mt.full((1,), k), mt.full((1,), scale)   # dtypes follow k's and scale's types
+
+    KEYS = {
+        "shape": lambda: ((_x(0, (3, 4)), 2), {"scale": 1.0}),
+        "dtype": lambda: ((_x(0, (2, 4), np.float64), 2), {"scale": 1.0}),
+        "requires_grad": lambda: ((_x(0, (2, 4)).requires_grad_(), 2), {"scale": 1.0}),
+        "number type": lambda: ((_x(0, (2, 4)), 2.0), {"scale": 1.0}),
+        "number value": lambda: ((_x(0, (2, 4)), 5), {"scale": 1.0}),
+        "bool for int": lambda: ((_x(0, (2, 4)), True), {"scale": 1.0}),
+        "keyword value": lambda: ((_x(0, (2, 4)), 2), {"scale": 0.5}),
+        "keyword type": lambda: ((_x(0, (2, 4)), 2), {"scale": 1}),
+        "list for tuple": lambda: ((_x(0, (2, 4)), [2, 7]), {"scale": 1.0}),
+        "grad mode": None,
+    }
+
+    @pytest.mark.parametrize("field", sorted(KEYS))
+    def test_each_key_field(self, field):
+        f = self._f
+        if field == "list for tuple":
+            f = lambda x, k, scale=1.0: self._f(x, k[0] if isinstance(k, list) else k[1], scale)  # noqa: E731
+            base = lambda: ((_x(0, (2, 4)), (2, 7)), {"scale": 1.0})                              # noqa: E731
+        elif field == "bool for int":
+            base = lambda: ((_x(0, (2, 4)), 1), {"scale": 1.0})                                    # noqa: E731
+        else:
+            base = lambda: ((_x(0, (2, 4)), 2), {"scale": 1.0})                                    # noqa: E731
+        g = mt.compile(f)
+        for _ in range(3):
+            args, kwargs = base()
+            g(*args, **kwargs)
+        assert g.calls["replayed"] == 1
+        if field == "grad mode":
+            args, kwargs = base()
+            with mt.no_grad():
+                want, got = f(*args, **kwargs), g(*args, **kwargs)
+        else:
+            args, kwargs = self.KEYS[field]()
+            want, got = f(*args, **kwargs), g(*args, **kwargs)
+        assert _same(_np(got), _np(want)), field
+        assert got[0].requires_grad == want[0].requires_grad, field
