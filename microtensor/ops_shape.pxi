@@ -408,22 +408,28 @@ cdef bint _ints_beside_arrays(object key):
     return has_int and has_array
 
 
+cdef bint _is_mask(object k):
+    if isinstance(k, Tensor):                   # a 0-d one too: x[t] keeps 1 or 0 rows
+        return (<Tensor>k)._data.dtype == bool_
+    return isinstance(k, np.ndarray) and k.dtype == bool_ and k.ndim > 0
+
+
 cdef bint _has_mask(object key):
-    """Whether an index key holds a boolean array (its result's shape is data)."""
-    if isinstance(key, np.ndarray):
-        return key.dtype == bool_ and key.ndim > 0
+    """Whether an index key (before _index_key) holds a boolean tensor or array: its
+    result's shape is read from the values."""
     if isinstance(key, tuple):
         for k in key:
-            if isinstance(k, np.ndarray) and k.dtype == bool_ and k.ndim > 0:
+            if _is_mask(k):
                 return True
-    return False
+        return False
+    return _is_mask(key)
 
 
 def getitem(x, key):
     cdef Tensor t = _t(x)
-    key = _index_key(key)
     if _capture_hook is not None and _has_mask(key):
         _capture_hook(t, "indexing with a boolean mask (a shape read from the values)")
+    key = _index_key(key)
     if _ints_beside_arrays(key):
         # torch's order: the integer indices select first, then the index arrays gather
         first = tuple(slice(None) if isinstance(k, np.ndarray) else k for k in key)

@@ -21,6 +21,8 @@ cdef class Tensor:
         self._requires_grad = False
         if requires_grad:
             self.requires_grad = True
+        if _capture_hook is not None:
+            _capture_hook(self, "a new tensor")  # made outside every recorded op?
 
     @staticmethod
     cdef Tensor _wrap(object array):
@@ -31,6 +33,8 @@ cdef class Tensor:
             array = array if isinstance(array, np.ndarray) else np.asarray(array)
         t._data = array
         t._requires_grad = False
+        if _capture_hook is not None:
+            _capture_hook(t, "a new tensor")     # made outside every recorded op?
         return t
 
     # -- numpy interop: ndarray (op) Tensor defers to Tensor's reflected operators
@@ -181,7 +185,9 @@ cdef class Tensor:
     def data(self):
         """A tensor sharing this one's storage, detached from the graph."""
         if _capture_hook is not None:
-            _capture_hook(self, "t.data")        # a recording re-reads it at replay
+            read = _capture_hook(self, "t.data")   # a recording reads it again at replay
+            if read is not None:
+                return read
         return Tensor._wrap(self._data)
 
     @data.setter
@@ -520,7 +526,8 @@ cdef object _capture_hook = None
 
 def set_capture_hook(hook):
     """hook(tensor, what) runs where Python reads a tensor's values or changes it outside
-    an op (None: no hook). Returns the previous hook."""
+    an op, and where a tensor is made ("a new tensor"; None: no hook). For "t.data" it
+    may return the tensor the read gives. Returns the previous hook."""
     global _capture_hook
     if hook is not None and not callable(hook):
         raise TypeError(f"set_capture_hook: the hook must be callable or None, got {type(hook).__name__}")

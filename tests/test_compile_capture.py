@@ -128,6 +128,26 @@ def test_iteration_reads_the_shape_only_and_replays():
     agree(f, make_args=lambda i: (_x(i, (3, 4)),), expect="replay")
 
 
+_ACT = mt.tanh          # a reference taken at import, before any recording wrapped the ops
+
+
+def test_an_op_the_recording_cannot_see_runs_eagerly():
+    """An op reached through a reference taken before the wrapping makes its result
+    outside every record: the core's hook on new tensors sees it."""
+    class Net(mt.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = mt.nn.Linear(5, 5)
+            self.act = _ACT
+
+        def forward(self, x):
+            return self.act(self.lin(x))
+    net = Net()
+    g = agree(lambda x: net(x) * 2, make_args=lambda i: (_x(i, (2, 5)),), expect="eager")
+    (reason,) = g.eager_reasons.values()
+    assert "cannot see" in reason and HERE in reason, reason
+
+
 # -- 3. Python numbers are keyed by type and value ------------------------------------------
 def test_a_number_is_keyed_by_its_type():
     def f(x, k):

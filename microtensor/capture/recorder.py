@@ -25,6 +25,11 @@ Python value or a shape read from the data: `equal`, `allclose`, `nonzero`,
 the plan for that key: the recording is marked as not replayable, with the reason and
 the line, and the key runs eagerly. Reading `t.grad` or `t.data` is a record of its own
 (the replay reads them again). Iteration reads only the shape, which keys the plan.
+
+The core also calls the hook for every tensor it makes. Every op's result is made
+inside a recorded call, so a tensor made in the function's own code came from a call
+the recording could not see (`act = mt.tanh` taken at import, before the wrapping,
+then `act(x)`): that too ends the plan, where a constant would otherwise be replayed.
 """
 import functools
 import threading
@@ -43,6 +48,8 @@ TENSOR_READS = {
 }
 # reads that depend on the shape alone (the shape is part of a plan's key)
 SHAPE_READS = {"iteration over t"}
+# the core calls the hook with this for every tensor it makes
+NEW_TENSOR = "a new tensor"
 # reads and writes that a recording turns into records of their own
 RECORDED_READS = {"t.grad", "t.data"}
 # the door's reads made by ops (capture_read, boolean-mask indexing): refused when the
@@ -132,7 +139,8 @@ def _guard_of(instance, attributes):
 def _hook(tensor, what):
     recorder = getattr(_recording, "recorder", None)
     if recorder is not None:
-        recorder.seen(tensor, what)
+        return recorder.seen(tensor, what)
+    return None
 
 
 def _install():
@@ -371,12 +379,20 @@ class Recorder:
     def seen(self, tensor, what):
         """The door (the core's capture hook): a value leaving a tensor, or a change
         made outside an op, in this thread."""
+        if what == NEW_TENSOR:
+            # every op's result is made inside a recorded call: a tensor made in the
+            # function's own code came from a call the recording did not see
+            if self.depth == 0 and not self.refused:
+                self.refuse("a tensor made by a call the recording cannot see (an op "
+                            "reached through a reference taken before mt.compile wrapped "
+                            f"the ops, or a Tensor built by hand){_where()}")
+            return None
         if self.refused or what in SHAPE_READS:
-            return
+            return None
         if what in RECORDED_READS:
             if self.depth == 0:
-                self._read(tensor, what)
-            return
+                return self._read(tensor, what)
+            return None
         if self.depth == 0 or (self.depth == 1 and what.startswith(OP_READS)):
             self.refuse(f"{what} in the function's own code{_where()}")
 
@@ -391,9 +407,10 @@ class Recorder:
         if out is None:
             self.refuse(f"{what} is None here (a plan cannot follow a check of it) "
                         f"in the function's own code{_where()}")
-            return
+            return None
         self._record(what, fn, (tensor,), (self.template(tensor),), {}, out,
                      _core.is_grad_enabled(), [tuple(tensor.shape)])
+        return out
 
     def refuse(self, reason):
         if self.refused is None:
