@@ -515,11 +515,13 @@ cdef class Tensor:
     def __getitem__(self, key): return getitem(self, key)
 
 
-# ---- the capture hook: what mt.compile cannot record ------------------------------------
+# ---- the capture hook: the one door mt.compile watches ------------------------------------
 # A compiled function is recorded as the ops it calls. Reading a tensor's values in
-# Python (t.item(), bool(t), t.numpy()) can steer the Python code between ops, and
-# changing a tensor outside an op (t.add_(1), t.grad = None, t.data = ...) is a change
-# no op records: both call the hook, and mt.compile decides (microtensor/compile/).
+# Python (t.item(), bool(t), t.numpy(), repr(t)) can steer the Python code between ops,
+# and changing a tensor outside an op (t.grad = None, t.data = ...) is a change no op
+# records: both call the hook, as does every tensor the core makes (one made outside
+# every recorded op came from a call the recording could not see) and a read of t.grad
+# or t.data (recorded, read again at replay). mt.compile decides (microtensor/capture/).
 
 cdef object _capture_hook = None
 

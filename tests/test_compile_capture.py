@@ -490,12 +490,12 @@ def _door_bypasses(callables):
     return bypass, exercised
 
 
-def _mt_functions():
-    for name, fn in sorted(vars(mt).items()):
+def _mt_functions(module=mt, prefix=""):
+    for name, fn in sorted(vars(module).items()):
         if (name.startswith("_") or isinstance(fn, type) or not callable(fn)
-                or name.startswith(_NOT_CALLED)):
+                or name.startswith(_NOT_CALLED) or type(fn).__name__ == "module"):
             continue
-        yield name, (lambda fn: lambda t, k: (fn, _patterns(t)[k]))(fn)
+        yield prefix + name, (lambda fn: lambda t, k: (fn, _patterns(t)[k]))(fn)
 
 
 def _tensor_methods():
@@ -507,10 +507,11 @@ def _tensor_methods():
 
 
 def test_every_value_read_passes_the_door():
-    """Each mt function and Tensor method is called on two inputs of the same shape and
-    dtype: where the results differ as values (a bool, a number, a list) or as shapes
+    """Each mt function, Tensor method and F function is called on two inputs of the
+    same shape and dtype: where the results differ as values (a bool, a number, a list) or as shapes
     (nonzero, unique), the call must have passed the capture hook."""
-    bypass, exercised = _door_bypasses(list(_mt_functions()) + list(_tensor_methods()))
+    bypass, exercised = _door_bypasses(list(_mt_functions()) + list(_tensor_methods())
+                                       + list(_mt_functions(mt.nn.functional, "F.")))
     assert not bypass, f"these read values past the capture hook: {sorted(set(bypass))}"
     assert len(exercised) > 350, len(exercised)      # the enumeration really ran
     for name in ("mt.equal", "t.item", "t.__repr__", "mt.nonzero", "mt.unique"):
