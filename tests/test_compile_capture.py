@@ -619,3 +619,31 @@ class TestGuardsAndKeys:
             want, got = f(*args, **kwargs), g(*args, **kwargs)
         assert _same(_np(got), _np(want)), field
         assert got[0].requires_grad == want[0].requires_grad, field
+
+
+_CALLS = 0          # a global counter the function below keeps
+weight = None       # a global that shares its name with an attribute read below
+
+
+def _counting(x, lin):
+    global _CALLS
+    _CALLS += 1
+    return x * 2 if _CALLS % 3 else x * 3
+
+
+def test_a_global_counter_runs_eagerly_and_an_attribute_name_is_not_a_global():
+    global weight
+    lin = mt.nn.Linear(5, 5)
+    g = mt.compile(_counting)
+    with pytest.warns(RuntimeWarning, match="'_CALLS' changed"):
+        for i in range(4):
+            g(_x(i), lin)
+    assert g.calls["replayed"] == 0
+
+    def f(x):
+        return x + lin.weight.sum()
+    h = mt.compile(f)
+    for i in range(5):
+        weight = mt.randn(3)            # rebound every call: not read by f as a global
+        assert _same(_np(h(_x(i))), _np(f(_x(i))))
+    assert h.calls["replayed"] == 3, h.eager_reasons

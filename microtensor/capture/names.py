@@ -8,8 +8,24 @@ global rebound between calls (`model = GPT(...)` again) records a new plan.
 What this cannot see: the contents of a mutable object (`count[0] += 1`, `self.n`), and
 names read by the functions it calls (only the compiled function's own code is read).
 """
+import dis
+
 _SCALARS = (int, float, complex, bool, str, bytes, type(None))
 _MISSING = object()
+_GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"}
+_globals_of = {}      # code object -> the global names it reads or writes
+
+
+def _global_names(code):
+    """The names code reads as globals (co_names also holds attribute names: `x.step`
+    must not guard a global `step`)."""
+    names = _globals_of.get(code)
+    if names is None:
+        names = tuple(dict.fromkeys(i.argval for i in dis.get_instructions(code)
+                                    if i.opname in _GLOBAL_OPS))
+        if len(_globals_of) < 1024:
+            _globals_of[code] = names
+    return names
 
 
 def snapshot(fn):
@@ -26,7 +42,7 @@ def snapshot(fn):
             value = _MISSING
         out.append(("cell", name, cell, value))
     globals_ = getattr(fn, "__globals__", {})
-    for name in code.co_names:
+    for name in _global_names(code):
         value = globals_.get(name, _MISSING)
         if value is not _MISSING:
             out.append(("global", name, globals_, value))
