@@ -647,3 +647,22 @@ def test_a_global_counter_runs_eagerly_and_an_attribute_name_is_not_a_global():
         weight = mt.randn(3)            # rebound every call: not read by f as a global
         assert _same(_np(h(_x(i))), _np(f(_x(i))))
     assert h.calls["replayed"] == 3, h.eager_reasons
+
+
+def test_a_draw_is_replayed_with_the_generator_it_was_given():
+    """Whatever generator object a draw gets is handed to it again at each replay."""
+    gen = mt.default_generator()
+    seen = []
+
+    def f(x):
+        return x + mt.randn(5, generator=gen) + mt.rand_like(x)
+    g = mt.compile(f)
+    for i in range(4):
+        mt.manual_seed(i)
+        want = _np(f(_x(i)))
+        mt.manual_seed(i)
+        assert _same(_np(g(_x(i))), want)
+    for rec in g.plan.records:
+        if rec.label == "randn":
+            seen.append(rec.kwargs.get("generator"))
+    assert seen == [gen] and seen[0] is gen
