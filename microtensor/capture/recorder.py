@@ -44,7 +44,6 @@ from microtensor._core import Tensor
 TENSOR_READS = {
     "item", "tolist", "numpy", "size", "dim", "numel", "nelement", "element_size",
     "get_device", "data_ptr", "is_contiguous", "is_floating_point", "cuda", "pin_memory",
-    "register_post_accumulate_grad_hook",
 }
 # reads that depend on the shape alone (the shape is part of a plan's key)
 SHAPE_READS = {"iteration over t"}
