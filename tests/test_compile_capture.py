@@ -315,7 +315,7 @@ def test_two_threads_replay_one_plan():
         t.join(30)
     assert not errors, errors
     assert all(_same(v, want[(k + r) % 8]) for (k, r), v in got.items())
-    assert g.calls["replayed"] == 61
+    assert g.plan.replays == 61          # counted under the plan's lock
 
 
 # -- 8. bounded bookkeeping ---------------------------------------------------------------

@@ -86,8 +86,10 @@ class CompiledFunction:
             if plan.holds():
                 self.calls["replayed"] += 1
                 return plan.replay(args, kwargs)
-        waiting = len(self._pending) - (key in self._pending)   # other keys' first calls
-        if sum(len(p) for p in self._plans.values()) + waiting >= self.max_plans:
+        with self._lock:
+            waiting = len(self._pending) - (key in self._pending)   # other keys' first calls
+            full = sum(len(p) for p in self._plans.values()) + waiting >= self.max_plans
+        if full:
             return self._run_eagerly(key, f"more than max_plans={self.max_plans} plans "
                                           "(shapes or arguments keep changing)", args, kwargs)
         return self._record(key, args, kwargs)
