@@ -11,15 +11,17 @@ A plan is kept per key: the shapes, dtypes and requires_grad of the tensor argum
 the other arguments' types and values (2 and 2.0 are two keys), and the grad mode. Its
 guards (each Module's `training` flag and the identity of its parameters and buffers,
 the Python names the function reads: names.py) must still hold, else the call records
-a new plan. The first two calls of a key
-run eagerly and are both recorded; the plan is trusted only when the two recordings
-agree (the same ops on the same arguments), so a value baked in on the first call
+a new plan. The first two calls of a key run eagerly and are both recorded; the plan
+is trusted only when the two recordings agree (the same ops on the same arguments, the
+same values of the names the function reads), so a value baked in on the first call
 that changes on the second (a tensor made outside any op, Python control flow that
-took another branch) is caught, and that key runs eagerly from then on. Reading a
-tensor's value in the function (t.item(), if t > 0:) or changing a tensor outside an
-op (t.grad = None) is caught as it happens and also keeps that key eager. What changes
-legitimately between calls is read at replay: an optimizer reads its param_groups' lr
-and its step count, dropout draws from the generator as eager mode does.
+took another branch, a counter) is caught, and that key runs eagerly from then on.
+Reading a tensor's value in the function (t.item(), if t > 0:, repr(t), mt.equal, a
+shape read from the values), changing a tensor outside an op (t.grad = None) or making
+one outside every recorded op is caught as it happens (recorder.py: the one door) and
+also keeps that key eager. What changes legitimately between calls is read at replay:
+an optimizer reads its param_groups' lr and its step count, every random draw draws
+again from its generator, t.grad is read again.
 
 A compiled function called while another one records (in the same thread) runs its
 Python, so its ops are recorded into the outer plan. Recording is per thread, and a
@@ -27,7 +29,8 @@ plan is replayed by one thread at a time (another waits for it).
 
 What a plan cannot see: Python side effects of the function (printing, appending to a
 list, a counter kept in a list or an attribute) happen on the two recorded calls only;
-attributes of modules other than `training` and their tensors are constants of the plan.
+attributes of modules other than `training`, `_parameters` and `_buffers` are constants
+of the plan (docs/COMPILE.md has the whole table).
 The bookkeeping is bounded: at most max_plans plans (pending first calls included),
 MAX_REASONS reasons kept, MAX_WARNINGS warnings per compiled function.
 """
