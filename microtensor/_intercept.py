@@ -18,7 +18,7 @@ _PLUMBING = {
     "is_grad_enabled", "set_anomaly_enabled_", "is_anomaly_enabled",
     "get_num_threads", "set_backward_profiler", "wrap", "needs_graph", "attach", "as_dtype",
     "register_op", "registered_ops", "register_tensor_method", "registered_tensor_methods",
-    "replace_tensor_method", "op_function", "set_capture_hook",
+    "replace_tensor_method", "op_function", "set_capture_hook", "capture_read",
 }
 # creation, random state and modes: a profile leaves them out (they are not the step's
 # math); a recording keeps them (a replay must create, draw and switch as the eager run)

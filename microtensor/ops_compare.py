@@ -8,6 +8,7 @@ import builtins
 
 import numpy as np
 
+from microtensor import _core
 from microtensor._core import wrap
 from microtensor._ops_common import _tensor, _dim, _dims, _float, _array
 
@@ -39,6 +40,7 @@ def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
 
 def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
     """True when |input - other| <= atol + rtol |other| everywhere (a Python bool)."""
+    _core.capture_read(input, "mt.allclose (a Python bool read from the values)")
     a, b = _array(_tensor(input, "allclose")), _array(_tensor(other, "allclose", "other"))
     try:
         np.broadcast_shapes(a.shape, b.shape)
@@ -50,6 +52,7 @@ def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
 
 def equal(input, other):
     """True when both have the same shape and the same values (a Python bool)."""
+    _core.capture_read(input, "mt.equal (a Python bool read from the values)")
     a, b = _array(_tensor(input, "equal")), _array(_tensor(other, "equal", "other"))
     return a.shape == b.shape and builtins.bool(np.array_equal(a, b))
 
@@ -75,6 +78,7 @@ def is_floating_point(input):
 
 
 def is_nonzero(input):
+    _core.capture_read(input, "mt.is_nonzero (a Python bool read from the values)")
     t = _tensor(input, "is_nonzero")
     if t._data.size != 1:
         raise RuntimeError(f"Boolean value of Tensor with {t._data.size} values is ambiguous")
@@ -83,6 +87,7 @@ def is_nonzero(input):
 
 def nonzero(input, as_tuple=False):
     """Indices of the nonzero elements: (n, ndim) int64, or one index tensor per dim."""
+    _core.capture_read(input, "mt.nonzero (a shape read from the values)")
     t = _tensor(input, "nonzero")
     a = t._data if t._data.ndim else t._data.reshape(1)
     idx = np.nonzero(a)
@@ -100,6 +105,7 @@ def argwhere(input):
 
 def unique(input, sorted=True, return_inverse=False, return_counts=False, dim=None):
     """The distinct values (sorted), with optional inverse indices and counts."""
+    _core.capture_read(input, "mt.unique (a shape read from the values)")
     t = _tensor(input, "unique")
     axis = None if dim is None else _dim(dim, t._data.ndim, "unique")
     values, inverse, counts = np.unique(t._data, return_inverse=True, return_counts=True,
@@ -114,6 +120,7 @@ def unique(input, sorted=True, return_inverse=False, return_counts=False, dim=No
 
 
 def bincount(input, weights=None, minlength=0):
+    _core.capture_read(input, "mt.bincount (a shape read from the values)")
     t = _tensor(input, "bincount")
     a = t._data
     if a.ndim != 1 or a.dtype.kind not in "iub":

@@ -392,6 +392,7 @@ def median(input, dim=None, keepdim=False):
 
 def unique_consecutive(input, return_inverse=False, return_counts=False, dim=None):
     """Collapse runs of equal consecutive elements (of the flattened tensor)."""
+    _core.capture_read(input, "mt.unique_consecutive (a shape read from the values)")
     t = _tensor(input, "unique_consecutive")
     if dim is not None:
         raise NotImplementedError("unique_consecutive(dim=...) is not implemented")

@@ -201,6 +201,7 @@ def index_fill(input, dim, index, value):
 
 def masked_select(input, mask):
     """The elements of input where mask is True (both broadcast), as a 1-D tensor."""
+    _core.capture_read(input, "mt.masked_select (a shape read from the values)")
     t = _tensor(input, "masked_select")
     m = _array(mask)
     if m.dtype != np.bool_:
@@ -366,6 +367,9 @@ def tile(input, *dims, **kwargs):
 
 def repeat_interleave(input, repeats=None, dim=None, output_size=None):
     """Each element repeated `repeats` times along dim (flattened when dim is None)."""
+    if repeats is None or isinstance(repeats, Tensor):
+        _core.capture_read(input if repeats is None else repeats,
+                           "mt.repeat_interleave (a shape read from the values)")
     if repeats is None:                     # torch.repeat_interleave(repeats)
         r = _index_array(input, "repeat_interleave")
         return wrap(np.repeat(np.arange(len(r)), r).astype(np.int64))

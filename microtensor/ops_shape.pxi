@@ -418,8 +418,27 @@ cdef tuple _select_then_gather(tuple key):
     return first, rest
 
 
+cdef bint _is_mask(object k):
+    if isinstance(k, Tensor):                   # a 0-d one too: x[t] keeps 1 or 0 rows
+        return (<Tensor>k)._data.dtype == bool_
+    return isinstance(k, np.ndarray) and k.dtype == bool_ and k.ndim > 0
+
+
+cdef bint _has_mask(object key):
+    """Whether an index key (before _index_key) holds a boolean tensor or array: its
+    result's shape is read from the values."""
+    if isinstance(key, tuple):
+        for k in key:
+            if _is_mask(k):
+                return True
+        return False
+    return _is_mask(key)
+
+
 def getitem(x, key):
     cdef Tensor t = _t(x)
+    if _capture_hook is not None and _has_mask(key):
+        _capture_hook(t, "indexing with a boolean mask (a shape read from the values)")
     key = _index_key(key)
     if _ints_beside_arrays(key):
         first, rest = _select_then_gather(key)

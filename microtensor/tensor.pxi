@@ -21,6 +21,8 @@ cdef class Tensor:
         self._requires_grad = False
         if requires_grad:
             self.requires_grad = True
+        if _capture_hook is not None:
+            _capture_hook(self, "a new tensor")  # made outside every recorded op?
 
     @staticmethod
     cdef Tensor _wrap(object array):
@@ -31,6 +33,8 @@ cdef class Tensor:
             array = array if isinstance(array, np.ndarray) else np.asarray(array)
         t._data = array
         t._requires_grad = False
+        if _capture_hook is not None:
+            _capture_hook(t, "a new tensor")     # made outside every recorded op?
         return t
 
     # -- numpy interop: ndarray (op) Tensor defers to Tensor's reflected operators
@@ -124,6 +128,8 @@ cdef class Tensor:
 
     @property
     def grad(self):
+        if _capture_hook is not None:
+            _capture_hook(self, "t.grad")        # a recording re-reads it at replay
         return self._grad
 
     @grad.setter
@@ -178,6 +184,10 @@ cdef class Tensor:
     @property
     def data(self):
         """A tensor sharing this one's storage, detached from the graph."""
+        if _capture_hook is not None:
+            read = _capture_hook(self, "t.data")   # a recording reads it again at replay
+            if read is not None:
+                return read
         return Tensor._wrap(self._data)
 
     @data.setter
@@ -312,12 +322,15 @@ cdef class Tensor:
         return _cast(self, self._data.dtype, True)
 
     def __float__(self):
+        _seen(self, "float(t)")
         return float(self.item())
 
     def __int__(self):
+        _seen(self, "int(t)")
         return int(self.item())
 
     def __index__(self):
+        _seen(self, "t used as an index (operator.index)")
         if self._data.dtype.kind not in "iu" or self._data.size != 1:
             raise TypeError("only integer tensors of a single element can be converted to an index")
         return int(self.item())
@@ -335,6 +348,7 @@ cdef class Tensor:
         return self._data.shape[0]
 
     def __iter__(self):
+        _seen(self, "iteration over t")
         if self._data.ndim == 0:
             raise TypeError("iteration over a 0-d tensor")
         return (self[i] for i in range(self._data.shape[0]))
@@ -365,11 +379,13 @@ cdef class Tensor:
 
     def __format__(self, spec):
         # f"{loss:.4f}": a one-element tensor formats as its number, as in torch
+        _seen(self, "format(t)")
         if self._data.ndim == 0:
             return format(self._data.item(), spec)
         return object.__format__(self, spec) if spec else repr(self)
 
     def __repr__(self):
+        _seen(self, "repr(t) or str(t)")
         body = np.array2string(self._data, separator=", ", precision=4,
                                prefix="tensor(", threshold=200)
         extras = []
@@ -519,18 +535,21 @@ cdef class Tensor:
     def __getitem__(self, key): return getitem(self, key)
 
 
-# ---- the capture hook: what mt.compile cannot record ------------------------------------
+# ---- the capture hook: the one door mt.compile watches ------------------------------------
 # A compiled function is recorded as the ops it calls. Reading a tensor's values in
-# Python (t.item(), bool(t), t.numpy()) can steer the Python code between ops, and
-# changing a tensor outside an op (t.add_(1), t.grad = None, t.data = ...) is a change
-# no op records: both call the hook, and mt.compile decides (microtensor/compile/).
+# Python (t.item(), bool(t), t.numpy(), repr(t)) can steer the Python code between ops,
+# and changing a tensor outside an op (t.grad = None, t.data = ...) is a change no op
+# records: both call the hook, as does every tensor the core makes (one made outside
+# every recorded op came from a call the recording could not see) and a read of t.grad
+# or t.data (recorded, read again at replay). mt.compile decides (microtensor/capture/).
 
 cdef object _capture_hook = None
 
 
 def set_capture_hook(hook):
     """hook(tensor, what) runs where Python reads a tensor's values or changes it outside
-    an op (None: no hook). Returns the previous hook."""
+    an op, and where a tensor is made ("a new tensor"; None: no hook). For "t.data" it
+    may return the tensor the read gives. Returns the previous hook."""
     global _capture_hook
     if hook is not None and not callable(hook):
         raise TypeError(f"set_capture_hook: the hook must be callable or None, got {type(hook).__name__}")
@@ -543,6 +562,14 @@ cdef inline int _seen(Tensor t, str what) except -1:
     if _capture_hook is not None:
         _capture_hook(t, what)
     return 0
+
+
+def capture_read(t, what):
+    """The door for code outside the core: an op whose result is a Python value read
+    from a tensor (mt.equal, mt.allclose) or whose output shape depends on its values
+    (nonzero, unique, masked_select) calls this first, so mt.compile can see it."""
+    if _capture_hook is not None and isinstance(t, Tensor):
+        _capture_hook(t, what)
 
 
 cdef object _inplace_operand(object other):

@@ -303,7 +303,7 @@ def test_in_place_op_on_a_captured_tensor_replays():
     buf = mt.zeros(3)
 
     def f(x):
-        buf.add_(1)                 # a Tensor method in TENSOR_CALLS: recorded, replayed
+        buf.add_(1)                 # an in-place Tensor method: recorded, replayed
         return x * 2 + buf
 
     x = mt.randn(3)

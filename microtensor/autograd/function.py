@@ -212,25 +212,32 @@ class Function:
 
     @classmethod
     def apply(cls, *args):
-        ctx = FunctionCtx()
-        ctx.fn = cls
-        ctx._args = tuple(a if isinstance(a, Tensor) else None for a in args)
-        ctx._saved = None
-        ctx.materialize_grads = True
-        ctx._non_differentiable = set()
-        tensors = tuple(a for a in ctx._args if a is not None)
-        graph = needs_graph(tensors)
-        # as torch: from requires_grad alone (also under no_grad)
-        ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx._args)
-        with no_grad():
-            result = cls.forward(ctx, *args)
-        single = not isinstance(result, (tuple, list))
-        results = (result,) if single else tuple(result)
-        if not graph:
-            ctx._to_save = ()
-            return result
-        outputs = _attach_outputs(ctx, results, ctx._args)
-        return outputs[0] if single else tuple(outputs)
+        # under mt.compile one call is one record: the replay runs forward and attaches
+        # the node again (microtensor/capture/recorder.py)
+        return _capture.record_call(f"{cls.__name__}.apply", _apply, (cls,) + args)
+
+
+def _apply(cls, *args):
+    """Function.apply's work: forward with grad mode off, then its outputs attached."""
+    ctx = FunctionCtx()
+    ctx.fn = cls
+    ctx._args = tuple(a if isinstance(a, Tensor) else None for a in args)
+    ctx._saved = None
+    ctx.materialize_grads = True
+    ctx._non_differentiable = set()
+    tensors = tuple(a for a in ctx._args if a is not None)
+    graph = needs_graph(tensors)
+    # as torch: from requires_grad alone (also under no_grad)
+    ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx._args)
+    with no_grad():
+        result = cls.forward(ctx, *args)
+    single = not isinstance(result, (tuple, list))
+    results = (result,) if single else tuple(result)
+    if not graph:
+        ctx._to_save = ()
+        return result
+    outputs = _attach_outputs(ctx, results, ctx._args)
+    return outputs[0] if single else tuple(outputs)
 
 
 def _attach_outputs(ctx, results, inputs):
@@ -289,3 +296,6 @@ def _attach_several(ctx, fresh, diff, inputs):
         outputs.append(o)
         offset += n
     return outputs
+
+
+from microtensor.capture import recorder as _capture  # noqa: E402  (capture wraps ops)

@@ -8,30 +8,46 @@
     print(step.plan.summary())           # time per kind of op over the replays
 
 A plan is kept per key: the shapes, dtypes and requires_grad of the tensor arguments,
-the other arguments' values, and the grad mode. Its guards (each Module's `training`
-flag) must still hold, else the call records a new plan. The first two calls of a key
-run eagerly and are both recorded; the plan is trusted only when the two recordings
-agree (the same ops on the same arguments), so a value baked in on the first call
+the other arguments' types and values (2 and 2.0 are two keys), and the grad mode. Its
+guards (each Module's `training` flag and the identity of its parameters and buffers,
+the Python names the function reads: names.py) must still hold, else the call records
+a new plan. The first two calls of a key run eagerly and are both recorded; the plan
+is trusted only when the two recordings agree (the same ops on the same arguments, the
+same values of the names the function reads), so a value baked in on the first call
 that changes on the second (a tensor made outside any op, Python control flow that
-took another branch) is caught, and that key runs eagerly from then on. Reading a
-tensor's value in the function (t.item(), if t > 0:) or changing a tensor outside an
-op (t.grad = None) is caught as it happens and also keeps that key eager. What changes
-legitimately between calls is read at replay: an optimizer reads its param_groups' lr
-and its step count, dropout draws from the generator as eager mode does.
+took another branch, a counter) is caught, and that key runs eagerly from then on.
+Reading a tensor's value in the function (t.item(), if t > 0:, repr(t), mt.equal, a
+shape read from the values), changing a tensor outside an op (t.grad = None) or making
+one outside every recorded op is caught as it happens (recorder.py: the one door) and
+also keeps that key eager. What changes legitimately between calls is read at replay:
+an optimizer reads its param_groups' lr and its step count, every random draw draws
+again from its generator, t.grad is read again.
+
+A compiled function called while another one records (in the same thread) runs its
+Python, so its ops are recorded into the outer plan. Recording is per thread, and a
+plan is replayed by one thread at a time (another waits for it).
 
 What a plan cannot see: Python side effects of the function (printing, appending to a
-list, a counter) happen on the two recorded calls only; attributes of modules other
-than `training`, and numbers passed as arguments (a new value is a new key), are
-constants of the plan.
+list, a counter kept in a list or an attribute) happen on the two recorded calls only;
+attributes of modules other than `training`, `_parameters` and `_buffers` are constants
+of the plan (docs/COMPILE.md has the whole table).
+The bookkeeping is bounded: at most max_plans plans (pending first calls included),
+MAX_REASONS reasons kept, MAX_WARNINGS warnings per compiled function.
 """
 import functools
+import threading
 import types
 import warnings
 
 from microtensor import _core
 from microtensor._core import Tensor
-from microtensor.capture.recorder import Recorder
+from microtensor.capture import names as _names
+from microtensor.capture.recorder import Recorder, current
 from microtensor.capture.plan import Plan, compare
+
+
+MAX_REASONS = 32       # eager reasons kept per compiled function (the oldest go first)
+MAX_WARNINGS = 8       # warnings per compiled function; then one saying the rest are off
 
 
 class CompiledFunction:
@@ -48,12 +64,20 @@ class CompiledFunction:
         self.arena = bool(arena)
         self._plans = {}        # key -> list of Plan (one per set of guard values)
         self._pending = {}      # key -> the first call's (recorder, plan), awaiting the second
-        self._eager = {}        # key -> why this key runs eagerly
+        self._eager = {}        # key -> why this key runs eagerly (at most MAX_REASONS)
+        self._lock = threading.Lock()      # the bookkeeping, between threads
+        self.warnings = 0
         self.calls = {"recorded": 0, "replayed": 0, "eager": 0}
+        self.inlined = 0        # calls recorded into another compiled function's plan
         functools.update_wrapper(self, fn)
 
     # -- the call -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if current() is not None:
+            # called while another compiled function records in this thread: its ops
+            # are recorded into the outer plan
+            self.inlined += 1
+            return self.fn(*args, **kwargs)
         try:
             key = (_key(args), _key(tuple(sorted(kwargs.items()))), _core.is_grad_enabled())
         except TypeError as e:
@@ -65,49 +89,66 @@ class CompiledFunction:
             if plan.holds():
                 self.calls["replayed"] += 1
                 return plan.replay(args, kwargs)
-        waiting = len(self._pending) - (key in self._pending)   # other keys' first calls
-        if sum(len(p) for p in self._plans.values()) + waiting >= self.max_plans:
+        with self._lock:
+            waiting = len(self._pending) - (key in self._pending)   # other keys' first calls
+            full = sum(len(p) for p in self._plans.values()) + waiting >= self.max_plans
+        if full:
             return self._run_eagerly(key, f"more than max_plans={self.max_plans} plans "
                                           "(shapes or arguments keep changing)", args, kwargs)
         return self._record(key, args, kwargs)
 
     def _record(self, key, args, kwargs):
         recorder = Recorder()
+        names = _names.snapshot(self.fn)
         inputs = [(path, recorder.new_slot(t)) for path, t in _tensors((args, kwargs))]
         with recorder:
             result = self.fn(*args, **kwargs)
         self.calls["recorded"] += 1
         result_template = recorder.template(result)
         recorder.final_grad_mode = _core.is_grad_enabled()
-        if recorder.refused:
-            self._give_up(key, recorder.refused)
-            return result
-        plan = Plan(recorder, inputs, result_template, arena=self.arena)
-        first = self._pending.pop(key, None)
-        if first is None:
-            self._pending[key] = plan       # the second call records again and compares
-            return result
-        difference = compare(first, plan)
-        if difference is not None:
-            self._give_up(key, difference)
-            return result
-        self._plans.setdefault(key, []).append(plan)
+        with self._lock:
+            if recorder.refused:
+                self._give_up(key, recorder.refused)
+                return result
+            plan = Plan(recorder, inputs, result_template, arena=self.arena, names=names)
+            first = self._pending.pop(key, None)
+            if first is None:
+                self._pending[key] = plan       # the second call records again and compares
+                return result
+            difference = _names.changed(first.names, plan.names) or compare(first, plan)
+            if difference is not None:
+                self._give_up(key, difference)
+                return result
+            self._plans.setdefault(key, []).append(plan)
         if self.verbose:
             print(f"mt.compile({self.__name__}): a plan of {len(plan)} calls")
         return result
 
-    def _give_up(self, key, reason):
+    def _give_up(self, key, reason, stacklevel=5):
         self._pending.pop(key, None)
+        self._remember(key, reason)
+        self._warn(f"running eagerly: {reason}", stacklevel)
+
+    def _remember(self, key, reason):
+        self._eager.pop(key, None)
+        while len(self._eager) >= MAX_REASONS:      # the oldest goes first
+            del self._eager[next(iter(self._eager))]
         self._eager[key] = reason
-        warnings.warn(f"mt.compile({getattr(self.fn, '__name__', 'fn')}): running eagerly: "
-                      f"{reason}", RuntimeWarning, stacklevel=4)
+
+    def _warn(self, message, stacklevel):
+        """A RuntimeWarning pointing at the caller's line; at most MAX_WARNINGS."""
+        self.warnings += 1
+        if self.warnings > MAX_WARNINGS:
+            return
+        if self.warnings == MAX_WARNINGS:
+            message += f" (further warnings of this compiled function are not shown)"
+        warnings.warn(f"mt.compile({getattr(self.fn, '__name__', 'fn')}): {message}",
+                      RuntimeWarning, stacklevel=stacklevel)
 
     def _run_eagerly(self, key, reason, args, kwargs):
-        if key is not None:
-            self._give_up(key, reason)
-        else:       # no key to remember it by: listed under the reason itself
-            self._eager[("no key", reason)] = reason
-            warnings.warn(f"mt.compile: running eagerly: {reason}", RuntimeWarning, stacklevel=3)
+        with self._lock:
+            # no key to remember it by: listed under the reason itself
+            self._give_up(key if key is not None else ("no key", reason), reason)
         self.calls["eager"] += 1
         return self.fn(*args, **kwargs)
 
@@ -159,7 +200,7 @@ def _key(value):
     if isinstance(value, types.GeneratorType):
         raise TypeError("a generator is used up by the call; pass a list")
     hash(value)
-    return value
+    return (type(value), value)             # 2, 2.0 and True are three keys
 
 
 def _tensors(value, path=()):

@@ -6,11 +6,13 @@ the grad mode it was recorded in, and keeps the tensors it returns in their slot
 No Python of the compiled function runs, no Module is called, nothing is looked up by
 name: what is left per op is the op itself.
 """
+import threading
 import time
 
 from microtensor import _core
 from microtensor.capture.recorder import Slot, Seq, resolve, same_constant
 from microtensor.capture.memory import Memory
+from microtensor.capture.names import names_hold
 from microtensor._core import Tensor
 
 _FLOP_LABELS = ("matmul", "F.linear", "F.scaled_dot_product_attention", "bmm", "mm")
@@ -20,28 +22,39 @@ class Plan:
     """The records of one recording, the slots its inputs fill, the result's template
     and the guards (module modes) it holds under."""
 
-    def __init__(self, recorder, inputs, result, arena=True):
+    def __init__(self, recorder, inputs, result, arena=True, names=()):
         self.records = recorder.records
         self.slots = len(recorder.alive)
         self.inputs = inputs          # [(path into (args, kwargs), slot)]
         self.result = result          # template of the function's return value
         self.guards = [g for g in recorder.guards.values()]
+        self.names = names            # the Python names the function reads (names.py)
         self.externals = len(recorder.externals)
         self.final_grad_mode = getattr(recorder, "final_grad_mode", None)
         self.replays = 0
         self.bytes = sum(rec.out_bytes for rec in self.records)
         self.release = _last_uses(self.records, self.slots, result)
         self.memory = Memory() if arena else None
+        self.lock = threading.Lock()  # one replay at a time: another thread waits
 
     def holds(self):
-        """Whether the guards (a Module's training flag, ...) still hold."""
-        for instance, pairs in self.guards:
+        """Whether the guards still hold: each Module's training flag, the identity of
+        each tensor in its _parameters and _buffers, and the Python names the function
+        reads (scalars by type and value, everything else by identity)."""
+        for instance, pairs, held in self.guards:
             for attribute, value in pairs:
                 if getattr(instance, attribute) != value:
                     return False
-        return True
+            for store, name, tensor in held:
+                if store.get(name) is not tensor:
+                    return False
+        return names_hold(self.names)
 
     def replay(self, args, kwargs):
+        with self.lock:
+            return self._replay(args, kwargs)
+
+    def _replay(self, args, kwargs):
         values = [None] * self.slots
         for path, slot in self.inputs:
             values[slot] = _dig((args, kwargs), path)
@@ -87,7 +100,7 @@ class Plan:
     def __str__(self):
         lines = [f"plan: {len(self.records)} calls, {self.slots} tensors in slots, "
                  f"{self.externals} external tensors (parameters, constants), "
-                 f"{len(self.guards)} guarded modules; {_mb(self.bytes)} of new results per call"]
+                 f"{len(self.guards)} guarded modules, {len(self.names)} guarded names; {_mb(self.bytes)} of new results per call"]
         for i, rec in enumerate(self.records):
             shapes = " ".join(str(i) for i in rec.info if isinstance(i, tuple))
             flops = _flops(rec)

@@ -1,19 +1,35 @@
 """Recording one call of a function as the ops it ran, in order.
 
-While a Recorder is on, every op (microtensor/_intercept.py wraps them all), the
-Tensor methods that make or change tensors (clone, to, add_, backward, ...) and the
-calls marked with `recorded_call` (an optimizer's step, clip_grad_norm_,
-zero_grad) are recorded when called from the function itself; what they call inside
-is theirs. Each record keeps the function and its arguments as a template: a tensor
-an earlier record made (or the function was given) becomes a slot, read from the
-replay's slots; any other tensor is an external (a parameter, a constant) held as it
-is; everything else is a constant.
+While any recording is on, every op is wrapped once for all threads (`_install`): the
+public functions of the core and of the modules registered with `register_ops`
+(microtensor/_intercept.py), every Tensor method but those that only read shapes or
+values (TENSOR_READS: in-place methods such as `exp_` and `masked_fill_` are ops with
+records of their own), and the calls marked with `recorded_call` (an optimizer's step,
+clip_grad_norm_, zero_grad). A wrapper asks its own thread's Recorder, if it has one,
+to record the call; a call made inside a recorded call is the outer call's business.
+When the last recording in any thread ends, every original is put back: nothing stays
+patched. A random draw (mt.randn, t.normal_, nn.init.normal_, dropout) is a record like
+any op: the replay calls it again, with the generator it was given, and draws anew.
 
-What a recording cannot see is caught where it happens: reading a tensor's values in
-Python (t.item(), bool(t), t.numpy()) may steer the code between ops, and changing a
-tensor outside an op (t.grad = None, t[...] = x) is a change no op records. Both reach
-the core's capture hook, and the recording is marked as not replayable, with the
-reason and the line of the function's code.
+Each record keeps the function and its arguments as a template: a tensor an earlier
+record made (or the function was given) becomes a slot, read from the replay's slots;
+any other tensor is an external (a parameter, a constant) held as it is; everything
+else is a constant.
+
+Every value that leaves a tensor passes one door: the core's capture hook (`item`,
+`bool`, `int`, `float`, `index`, `tolist`, `numpy`, `__array__`, `repr`/`str`/`format`,
+iteration, boolean-mask indexing, and through `capture_read` the ops that return a
+Python value or a shape read from the data: `equal`, `allclose`, `nonzero`,
+`masked_select`, `unique`, ...). So does every change to a tensor outside an op
+(`t.grad = None`, `t[...] = x`). In the function's own code such a read or write ends
+the plan for that key: the recording is marked as not replayable, with the reason and
+the line, and the key runs eagerly. Reading `t.grad` or `t.data` is a record of its own
+(the replay reads them again). Iteration reads only the shape, which keys the plan.
+
+The core also calls the hook for every tensor it makes. Every op's result is made
+inside a recorded call, so a tensor made in the function's own code came from a call
+the recording could not see (`act = mt.tanh` taken at import, before the wrapping,
+then `act(x)`): that too ends the plan, where a constant would otherwise be replayed.
 """
 import functools
 import threading
@@ -23,14 +39,32 @@ import types
 from microtensor import _core, _intercept
 from microtensor._core import Tensor
 
-# Tensor methods of the class itself that make or change tensors: recorded as calls
-TENSOR_CALLS = (
-    "backward", "detach", "detach_", "clone", "to", "type", "float", "double", "long",
-    "int", "bool", "cpu", "requires_grad_", "retain_grad", "register_hook", "zero_",
-    "fill_", "copy_", "add_", "sub_", "mul_", "div_", "clamp_", "normal_", "uniform_",
-)
+# Tensor methods that read shapes or values and make no tensor: never recorded (a value
+# read reaches the capture hook instead)
+TENSOR_READS = {
+    "item", "tolist", "numpy", "size", "dim", "numel", "nelement", "element_size",
+    "get_device", "data_ptr", "is_contiguous", "is_floating_point", "cuda", "pin_memory",
+}
+# reads that depend on the shape alone (the shape is part of a plan's key)
+SHAPE_READS = {"iteration over t"}
+# the core calls the hook with this for every tensor it makes
+NEW_TENSOR = "a new tensor"
+# reads and writes that a recording turns into records of their own
+RECORDED_READS = {"t.grad", "t.data"}
+# the door's reads made by ops (capture_read, boolean-mask indexing): refused when the
+# op was called from the function's own code, whose Python gets the value
+OP_READS = ("mt.", "indexing with a boolean mask")
+
 _recording = threading.local()   # .recorder: the Recorder on in this thread, if any
-_guards = []      # (class, attribute names) from register_guard
+_guards = []      # (class, attributes) from register_guard
+_lock = threading.RLock()
+_users = 0        # recordings on now, in every thread
+_undo = []        # what the shared wrapping replaced, for _uninstall
+
+
+def current():
+    """The Recorder on in this thread, or None."""
+    return getattr(_recording, "recorder", None)
 
 
 def recorded_call(fn, label=None):
@@ -50,10 +84,100 @@ def recorded_call(fn, label=None):
     return call
 
 
+def record_call(label, fn, args):
+    """fn(*args), recorded as one call when a recording is on in this thread (a custom
+    autograd.Function's apply: the replay runs its forward and attaches its backward)."""
+    recorder = getattr(_recording, "recorder", None)
+    if recorder is None:
+        return fn(*args)
+    return recorder.call(label, fn, args, {})
+
+
 def register_guard(cls, *attributes):
     """Instances of cls called during a recording are guarded: the replay checks that
-    their `attributes` (a Module's `training`) still hold the values they had."""
+    their `attributes` (a Module's `training`) still hold the values they had, and that
+    the tensors in their `_parameters` and `_buffers` are still the same objects."""
     _guards.append((cls, attributes))
+
+
+# -- the shared wrapping: installed by the first recording, removed by the last ----------
+def _dispatch(label, fn):
+    """The wrapper of one op: recorded by this thread's recorder, if it has one."""
+    def recorded(*args, **kwargs):
+        recorder = getattr(_recording, "recorder", None)
+        if recorder is None:
+            return fn(*args, **kwargs)
+        return recorder.call(label, fn, args, kwargs)
+    recorded.__name__ = getattr(fn, "__name__", label)
+    recorded.__doc__ = getattr(fn, "__doc__", None)
+    recorded.__wrapped__ = fn
+    return recorded
+
+
+def _guarded(call, attributes):
+    def guarded(instance, *args, **kwargs):
+        recorder = getattr(_recording, "recorder", None)
+        if recorder is not None and id(instance) not in recorder.guards:
+            recorder.guards[id(instance)] = _guard_of(instance, attributes)
+        return call(instance, *args, **kwargs)
+    guarded.__wrapped__ = call
+    return guarded
+
+
+def _guard_of(instance, attributes):
+    """(instance, ((attribute, value), ...), ((store, name, tensor), ...))."""
+    pairs = tuple((a, getattr(instance, a)) for a in attributes)
+    held = []
+    for store in ("_parameters", "_buffers"):
+        d = instance.__dict__.get(store)
+        if isinstance(d, dict):
+            held.extend((d, name, t) for name, t in d.items())
+    return instance, pairs, tuple(held)
+
+
+def _hook(tensor, what):
+    recorder = getattr(_recording, "recorder", None)
+    if recorder is not None:
+        return recorder.seen(tensor, what)
+    return None
+
+
+def _install():
+    """Wrap every op (see the module docstring); the first recording does this."""
+    global _undo
+    undo = _intercept.patch_ops(_dispatch, skip=("set_grad_enabled_",))
+    wrapped = {name for module, name, _ in undo if module is _intercept._METHOD}
+    for name, value in list(Tensor.__dict__.items()):
+        if (name.startswith("_") or name in wrapped or name in TENSOR_READS
+                or not callable(value) or isinstance(value, (property, types.GetSetDescriptorType))):
+            continue
+        undo.append((_intercept._METHOD, name, value))
+        _core.replace_tensor_method(name, _dispatch(f"t.{name}", value))
+    for cls, attributes in _guards:
+        undo.append((cls, "__call__", cls.__call__))
+        setattr(cls, "__call__", _guarded(cls.__call__, attributes))
+    undo.append((_HOOK, None, _core.set_capture_hook(_hook)))
+    _undo = undo
+
+
+_HOOK = object()      # marks the capture hook in the undo list
+
+
+def _uninstall():
+    global _undo
+    undo, _undo = _undo, []
+    for module, attr, original in reversed(undo):
+        if module is _HOOK:
+            _core.set_capture_hook(original)
+        elif module is _intercept._METHOD:
+            _core.replace_tensor_method(attr, original)
+        else:
+            setattr(module, attr, original)
+
+
+def installed():
+    """Whether the ops are wrapped now (some recording is on, in some thread)."""
+    return bool(_undo)
 
 
 class Slot:
@@ -88,7 +212,9 @@ def resolve(template, values):
         return values[template.index]
     if kind is Seq:
         items = [resolve(t, values) for t in template.items]
-        return items if template.kind is list else template.kind(items)
+        if template.kind is list:
+            return items
+        return slice(*items) if template.kind is slice else template.kind(items)
     return template
 
 
@@ -125,9 +251,7 @@ class Recorder:
         self.kept = []
         self.guards = {}        # id(instance) -> (instance, ((attribute, value), ...))
         self.refused = None     # why this recording cannot be replayed, if it cannot
-        self.depth = 0
-        self.thread = threading.get_ident()
-        self._patched = []
+        self.depth = 0          # 0: in the function's own code; 1: in a recorded call
         self._backward_rows = None
 
     # -- slots and templates ---------------------------------------------------------
@@ -149,6 +273,13 @@ class Recorder:
             items = [self.template(v) for v in value]
             if any(type(t) in (Slot, Seq) for t in items):
                 return Seq(kind, items)
+            return value
+        if kind is slice:           # x[:n] with n a tensor: read again at replay
+            items = [self.template(v) for v in (value.start, value.stop, value.step)]
+            if any(type(t) in (Slot, Seq) for t in items):
+                return Seq(slice, items)
+            if any(isinstance(v, Tensor) for v in items):
+                self.refuse("a tensor made outside the function inside a slice")
             return value
         if kind is dict and any(isinstance(v, Tensor) for v in value.values()):
             self.refuse("a dict of tensors passed to an op")
@@ -182,41 +313,34 @@ class Recorder:
 
     # -- on / off -----------------------------------------------------------------------
     def __enter__(self):
-        # grad mode is kept per record instead of recording its switches
-        patched = _intercept.patch_ops(self._wrapper, skip=("set_grad_enabled_",))
-        for name in TENSOR_CALLS:
-            original = Tensor.__dict__[name]
-            patched.append((_intercept._METHOD, name, original))
-            _core.replace_tensor_method(name, self._wrapper(f"t.{name}", original))
-        for cls, attributes in _guards:
-            patched.append((cls, "__call__", cls.__call__))
-            setattr(cls, "__call__", self._guarded(cls.__call__, attributes))
-        self._patched = patched
-        self._previous_hook = _core.set_capture_hook(self._seen)
+        global _users
+        if current() is not None:
+            raise RuntimeError("a recording is on in this thread already")
+        with _lock:
+            if _users == 0:
+                _install()
+            _users += 1
         _recording.recorder = self
         return self
 
     def __exit__(self, *exc):
+        global _users
         _recording.recorder = None
-        _core.set_capture_hook(self._previous_hook)
-        _intercept.unpatch(self._patched)
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                _uninstall()
         return False
 
     # -- what the wrappers do -------------------------------------------------------------
-    def _wrapper(self, label, fn):
-        recorder = self
-
-        def recorded(*args, **kwargs):
-            return recorder.call(label, fn, args, kwargs)
-        recorded.__name__ = getattr(fn, "__name__", label)
-        recorded.__doc__ = getattr(fn, "__doc__", None)
-        recorded.__wrapped__ = fn
-        return recorded
-
     def call(self, label, fn, args, kwargs):
         """fn(*args, **kwargs), recorded when the function itself made the call."""
-        if self.depth or threading.get_ident() != self.thread:
-            return fn(*args, **kwargs)
+        if self.depth:
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
         grad_mode = _core.is_grad_enabled()
         # a generator (model.parameters()) is used up by the call: the replay needs the
         # tensors it gave, so the call gets them as a list
@@ -236,36 +360,68 @@ class Recorder:
             self.depth = 0
             if backward:
                 _core.set_backward_profiler(previous)
+        self._record(label, fn, args, args_t, kwargs_t, out, grad_mode, info)
+        if backward:
+            self.records[-1].info += self._backward_rows
+        return out
+
+    def _record(self, label, fn, args, args_t, kwargs_t, out, grad_mode, info):
         outs = self.bind_outputs(out)
         rec = Record(label, fn, args_t, kwargs_t, outs, grad_mode, info)
         rec.out_bytes = self.new_memory(args, [self.alive[slot] for _, slot in outs])
-        if backward:
-            rec.info = rec.info + self._backward_rows
         self.records.append(rec)
-        return out
 
     def _backward_row(self, node, grad):
         self._backward_rows.append(node.name())
         return node.backward(grad)
 
-    def _guarded(self, call, attributes):
-        recorder = self
+    def seen(self, tensor, what):
+        """The door (the core's capture hook): a value leaving a tensor, or a change
+        made outside an op, in this thread."""
+        if what == NEW_TENSOR:
+            # every op's result is made inside a recorded call: a tensor made in the
+            # function's own code came from a call the recording did not see
+            if self.depth == 0 and not self.refused:
+                self.refuse("a tensor made by a call the recording cannot see (an op "
+                            "reached through a reference taken before mt.compile wrapped "
+                            f"the ops, or a Tensor built by hand){_where()}")
+            return None
+        if self.refused or what in SHAPE_READS:
+            return None
+        if what in RECORDED_READS:
+            if self.depth == 0:
+                return self._read(tensor, what)
+            return None
+        if self.depth == 0 or (self.depth == 1 and what.startswith(OP_READS)):
+            self.refuse(f"{what} in the function's own code{_where()}")
 
-        def guarded(instance, *args, **kwargs):
-            if threading.get_ident() == recorder.thread and id(instance) not in recorder.guards:
-                recorder.guards[id(instance)] = (
-                    instance, tuple((a, getattr(instance, a)) for a in attributes))
-            return call(instance, *args, **kwargs)
-        return guarded
-
-    def _seen(self, tensor, what):
-        if self.depth or threading.get_ident() != self.thread or self.refused:
-            return
-        self.refuse(f"{what} in the function's own code{_where()}")
+    def _read(self, tensor, what):
+        """t.grad or t.data read by the function: a record, read again at replay."""
+        fn = _read_grad if what == "t.grad" else _read_data
+        self.depth = 1
+        try:
+            out = fn(tensor)
+        finally:
+            self.depth = 0
+        if out is None:
+            self.refuse(f"{what} is None here (a plan cannot follow a check of it) "
+                        f"in the function's own code{_where()}")
+            return None
+        self._record(what, fn, (tensor,), (self.template(tensor),), {}, out,
+                     _core.is_grad_enabled(), [tuple(tensor.shape)])
+        return out
 
     def refuse(self, reason):
         if self.refused is None:
             self.refused = reason
+
+
+def _read_grad(tensor):
+    return tensor.grad
+
+
+def _read_data(tensor):
+    return tensor.data
 
 
 def _root(array):

@@ -38,6 +38,7 @@ from microtensor.nn import functional_extra as _functional_extra, rope as _rope 
 for _module in (functional, _functional_extra, _rope):
     _profiler.register_ops(_module, "F.")
 del _module
+_profiler.register_ops(init, "nn.init.")    # random draws: a replay draws again
 # mt.compile replays a plan only while each module it called has the training flag it
 # had when recorded
 from microtensor import capture as _capture  # noqa: E402
