@@ -238,9 +238,15 @@ def float_power(input, exponent):
 
 
 def xlogy(input, other):
-    """y = x log(o), 0 where x == 0 (as torch's)."""
+    """y = x log(o), 0 where x == 0 (as torch's). The gradients are torch's too:
+    dy/dx = log(o), also at x == 0 (the product is smooth in x there) except where
+    o <= 0 as well (0); dy/do = x / o."""
     x, o = input, other
-    return _core.where(_core.eq(x, 0), 0.0, _core.mul(x, _core.log(o)))
+    flat = _core.logical_and(_core.eq(x, 0), _core.le(o, 0))   # log(o) not used: 0
+    log_o = _core.where(flat, 0.0, _core.log(_core.where(flat, 1.0, o)))
+    y = _core.mul(x, log_o)
+    at_inf = _core.logical_or(_core.eq(o, math.inf), _core.eq(o, -math.inf))
+    return _core.where(_core.logical_and(_core.eq(x, 0), at_inf), 0.0, y)
 
 
 def lerp(input, end, weight):
@@ -384,7 +390,15 @@ def median(input, dim=None, keepdim=False):
         flat = _core.reshape(t, -1)
         if flat.shape[0] == 0:
             return wrap(np.asarray(np.nan, dtype=_float(t._data).dtype))
-        return kthvalue(flat, (flat.shape[0] + 1) // 2, 0).values
+        picked = kthvalue(flat, (flat.shape[0] + 1) // 2, 0).values
+        ties = np.asarray(flat._data == picked._data)
+        if ties.sum() < 2:
+            return picked
+        # as torch: the gradient spread evenly over every element equal to the median
+        # (the value stays the median exactly: each tie minus it is 0)
+        v = picked.detach()
+        share = wrap((ties / ties.sum()).astype(flat._data.dtype))
+        return _core.add(v, _core.sum(_core.mul(_core.sub(flat, v), share)))
     d = _dim(dim, t._data.ndim, "median")
     n = t._data.shape[d] if t._data.ndim else 1
     return kthvalue(t, (n + 1) // 2, d, keepdim)

@@ -347,6 +347,8 @@ def abs(x):
     """y = |x|;  dx = g * sign(x)"""
     cdef Tensor t = _t(x)
     d = t._data
+    if d.dtype == bool_:                                  # as torch
+        raise TypeError("abs: tensors of dtype bool are not supported (float or integer)")
     out = np.abs(d)
     if d.dtype.kind != "f":
         return Tensor._wrap(out)
