@@ -124,6 +124,13 @@ OPS = {
         lambda x: TF.cross_entropy(x, torch.from_numpy(TARGETS), label_smoothing=0.3)),
     "logsumexp": (lambda x: mt.logsumexp(x, -1), lambda x: _torch_logsumexp(x, -1)),
     "logsumexp_dim0": (lambda x: mt.logsumexp(x, 0), lambda x: _torch_logsumexp(x, 0)),
+    # values only: torch's backward is g * exp(x - y) with y rounded as one number (off
+    # by 1e-7 relative at 1e9 in float64, NaN at -inf entries); the derivatives of
+    # logcumsumexp are checked against central differences below
+    "logcumsumexp": (lambda x: mt.logcumsumexp(x, -1), lambda x: torch.logcumsumexp(x, -1),
+                     "values"),
+    "logcumsumexp_dim0": (lambda x: mt.logcumsumexp(x, 0), lambda x: torch.logcumsumexp(x, 0),
+                          "values"),
 }
 
 
@@ -195,9 +202,12 @@ def _three_orders(mt_fn, torch_fn, arrays, dtype, second_order=True):
 @pytest.mark.parametrize("op", OPS)
 def test_log_sum_exp_ops_at_extremes_as_torch(op, case, dtype, build, use_build):
     use_build(build)
-    mt_fn, torch_fn = OPS[op]
+    mt_fn, torch_fn, *only = OPS[op]
     x = INPUTS[case](dtype)
     assert x.dtype == dtype
+    if only == ["values"]:
+        _close(mt_fn(mt.tensor(x)).numpy(), torch_fn(torch.tensor(x)).numpy(), dtype, "forward")
+        return
     _three_orders(mt_fn, torch_fn, [x], dtype)
 
 
@@ -295,3 +305,12 @@ def test_attention_mask_gradient_at_finfo_min(dtype, build, use_build):
         with sdpa_kernel(SDPBackend.MATH):
             return TF.scaled_dot_product_attention(q, k, v, attn_mask=m)
     _three_orders(ours, theirs, [q, k, v, mask], dtype, second_order=False)
+
+
+@pytest.mark.parametrize("scale", [1.0, 300.0])
+def test_logcumsumexp_derivatives_by_central_differences(scale):
+    """logcumsumexp's first and second derivatives at values spread over +-3 and over
+    +-900 (where one shift by the global max loses the early terms), float64."""
+    x = mt.tensor(np.random.default_rng(2).standard_normal((3, 6)) * scale, requires_grad=True)
+    assert mt.gradcheck(lambda t: mt.logcumsumexp(t, 1), (x,))
+    assert mt.gradgradcheck(lambda t: mt.logcumsumexp(t, 1), (x,))
