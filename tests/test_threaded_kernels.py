@@ -10,7 +10,7 @@ at sizes that are neither even nor a multiple of 3 (prime row counts), and its r
 The kernels: _fused.pyx (norms, softmax, cross-entropy, GELU, SiLU, embedding, dropout),
 _fused_attention.pyx (threads over batch x heads), kernels.pxi (elementwise backward
 pairs, relu, sigmoid, max along a dim, sum of squares), _blas.pyx (gemm splits output
-rows, batched_gemm takes whole matrices). Whether a fused kernel was handed the thread
+rows, batched_gemm takes whole matrices), optim/_adamw.pyx (AdamW, Adam, SGD steps). Whether a fused kernel was handed the thread
 count is recorded; the core's kernels read the count themselves above 2**15 elements,
 which every size here exceeds.
 """
@@ -230,3 +230,50 @@ def test_clip_grad_norm_sum_of_squares_threaded(threads):
     finally:
         mt.set_num_threads(before)
     assert math.isclose(total, float(np.sqrt(np.sum(g * g))), rel_tol=1e-12)
+
+
+# ---- optim/_adamw.pyx: the optimizer steps split the parameter's elements ---------------
+OPTIMIZERS = {
+    "adamw": (lambda p: mt.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    "adam_amsgrad": (lambda p: mt.optim.Adam(p, lr=1e-2, amsgrad=True),
+                     lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True)),
+    "sgd_nesterov": (lambda p: mt.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True,
+                                            weight_decay=0.01),
+                     lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True,
+                                               weight_decay=0.01)),
+}
+
+
+def _optimizer_steps(make, threads, w0, grads):
+    before = mt.get_num_threads()
+    mt.set_num_threads(threads)
+    try:
+        p = mt.tensor(w0.copy(), requires_grad=True)
+        opt = make([p])
+        for g in grads:
+            p.grad = mt.tensor(g)
+            opt.step()
+        return p.detach().numpy()
+    finally:
+        mt.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_optimizer_step_threaded(name, threads):
+    """Three steps on N_ELEMENTS parameters (above the optimizers' 2**15): n threads give
+    the one-thread bits, and torch's parameters."""
+    ours, theirs = OPTIMIZERS[name]
+    r = _rng()
+    w0 = r.standard_normal(N_ELEMENTS)
+    grads = [r.standard_normal(N_ELEMENTS) for _ in range(3)]
+    serial = _optimizer_steps(ours, 1, w0, grads)
+    threaded = _optimizer_steps(ours, threads, w0, grads)
+    np.testing.assert_array_equal(threaded, serial)
+    tp = torch.tensor(w0.copy(), requires_grad=True)
+    topt = theirs([tp])
+    for g in grads:
+        tp.grad = torch.from_numpy(g.copy())
+        topt.step()
+    np.testing.assert_allclose(threaded, tp.detach().numpy(), rtol=1e-10, atol=1e-12)
