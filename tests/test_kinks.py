@@ -103,7 +103,8 @@ KINKS = {
     # nn.functional
     "F.relu": _one(F.relu, TF.relu),
     "F.hardtanh": _one(F.hardtanh, TF.hardtanh),
-    "F.hardtanh_bounds": _one(lambda x: F.hardtanh(x, -0.5, 2.0), lambda x: TF.hardtanh(x, -0.5, 2.0)),
+    "F.hardtanh_bounds": _one(lambda x: F.hardtanh(x, -0.5, 2.0),
+                              lambda x: TF.hardtanh(x, -0.5, 2.0)),
     "F.relu6": _one(F.relu6, TF.relu6),
     "F.leaky_relu": _one(lambda x: F.leaky_relu(x, 0.1), lambda x: TF.leaky_relu(x, 0.1)),
     "F.elu": _one(F.elu, TF.elu),
@@ -127,7 +128,8 @@ KINKS = {
     # the logs at -100 and is inf at 0 and 1; microtensor's follows the clamp)
     "F.binary_cross_entropy_at_0_1": _one(
         lambda x: F.binary_cross_entropy(x, mt.tensor(np.array([0.0, 1.0, 1.0, 0.0]))),
-        lambda x: TF.binary_cross_entropy(x, torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=torch.float64)),
+        lambda x: TF.binary_cross_entropy(x, torch.tensor([0.0, 1.0, 1.0, 0.0],
+                                                          dtype=torch.float64)),
         np.array([0.0, 1.0, 0.5, 1.0])),
 }
 
@@ -156,7 +158,8 @@ COVERS = {"clamp_only_min": "clamp", "clamp_only_max": "clamp", "clamp_tensor_bo
           "sqrt_at_0": "sqrt", "rsqrt_at_0": "rsqrt", "pow_half_at_0": "pow", "pow_2_at_0": "pow",
           "pow_0": "pow", "pow_base_0": "pow", "xlogy_at_0": "xlogy", "logit_at_0_1": "logit",
           "prod_zeros": "prod", "cumprod_zeros": "cumprod", "norm_at_0": "norm",
-          "dist_at_0": "dist", "std_constant": "std", "max_all": "max", "min_all": "min", "amax_all": "amax", "median_all": "median",
+          "dist_at_0": "dist", "std_constant": "std", "max_all": "max", "min_all": "min",
+          "amax_all": "amax", "median_all": "median",
           "max_dim": "max", "min_dim": "min"}
 F_SMOOTH = set("""
     batch_norm binary_cross_entropy_with_logits cosine_similarity cross_entropy dropout

@@ -10,9 +10,10 @@ at sizes that are neither even nor a multiple of 3 (prime row counts), and its r
 The kernels: _fused.pyx (norms, softmax, cross-entropy, GELU, SiLU, embedding, dropout),
 _fused_attention.pyx (threads over batch x heads), kernels.pxi (elementwise backward
 pairs, relu, sigmoid, max along a dim, sum of squares), _blas.pyx (gemm splits output
-rows, batched_gemm takes whole matrices), optim/_adamw.pyx (AdamW, Adam, SGD steps). Whether a fused kernel was handed the thread
-count is recorded; the core's kernels read the count themselves above 2**15 elements,
-which every size here exceeds.
+rows, batched_gemm takes whole matrices), optim/_adamw.pyx (AdamW, Adam, SGD steps).
+Whether a fused kernel was handed the thread count is recorded; the core's kernels and
+the optimizers read the count themselves above 2**15 elements, which every size here
+exceeds.
 """
 import math
 
