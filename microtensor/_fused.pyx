@@ -315,9 +315,7 @@ def softmax_forward(real[:, ::1] out, const real[:, ::1] inp, int num_threads):
         x = &inp[r, 0]
         o = &out[r, 0]
         m = row_max(x, N)
-        for j in range(N):
-            o[j] = vexp(x[j] - m)
-        inv = <real>(1.0 / row_sum(o, N))
+        inv = <real>(1.0 / row_exp_sum(x, o, N, m))
         for j in range(N):
             o[j] = o[j] * inv
 
@@ -345,22 +343,21 @@ def softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[:, :
 
 @cython.wraparound(False)
 def log_softmax_forward(real[:, ::1] out, const real[:, ::1] inp, int num_threads):
-    """(R, N) rows -> (R, N):  out = x - max - log(sum(exp(x - max)))"""
+    """(R, N) rows -> (R, N):  out = (x - m) - s,  m = max(x),  s = log(sum(exp(x - m)))
+    (the log-sum-exp pair of _fused_math.pxi: never x - (m + s), which loses s)"""
     cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
     cdef const real* x
     cdef real* o
-    cdef real m, l
+    cdef real m, s
     check_shape2("log_softmax_forward", "out", out.shape[0], out.shape[1], R, N)
     num_threads = threads_for(<double>R * N, _SOFTMAX_PARALLEL_MIN, num_threads)
     for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
         x = &inp[r, 0]
         o = &out[r, 0]
         m = row_max(x, N)
+        s = <real>log(row_exp_sum(x, o, N, m))           # scratch: the output row
         for j in range(N):
-            o[j] = vexp(x[j] - m)                         # scratch: the output row
-        l = m + <real>log(row_sum(o, N))
-        for j in range(N):
-            o[j] = x[j] - l
+            o[j] = (x[j] - m) - s
 
 
 @cython.wraparound(False)
@@ -391,12 +388,14 @@ def log_softmax_backward(real[:, ::1] dinp, const real[:, ::1] dout, const real[
 cdef double _CROSSENTROPY_PARALLEL_MIN = 1 << 15
 
 @cython.wraparound(False)
-def crossentropy_forward(real[::1] losses, real[::1] lse, const real[:, ::1] logits,
-                         const long long[::1] targets, long long ignore_index,
-                         double label_smoothing, int num_threads):
-    """(M, C) logits, (M,) targets -> losses (M,), lse (M,):
-    lse = logsumexp(x),  loss = (1 - eps) (lse - x[t]) + eps (lse - mean(x)),
-    loss = 0 where t == ignore_index.  Stable: exp(x - max) never overflows."""
+def crossentropy_forward(real[::1] losses, real[::1] rowmax, real[::1] logsum,
+                         const real[:, ::1] logits, const long long[::1] targets,
+                         long long ignore_index, double label_smoothing, int num_threads):
+    """(M, C) logits, (M,) targets -> losses (M,), and each row's log-sum-exp as the pair
+    rowmax (M,) = m = max(x), logsum (M,) = s = log(sum(exp(x - m))) (lse = m + s):
+    loss = (1 - eps) (s - (x[t] - m)) + eps (s - mean(x - m)),
+    loss = 0 where t == ignore_index.  Stable: exp(x - m) never overflows, and the
+    huge m cancels before it can round s away (see _fused_math.pxi)."""
     cdef Py_ssize_t r, j, bad, M = logits.shape[0], C = logits.shape[1]
     cdef const real* x
     cdef real* scratch
@@ -405,7 +404,8 @@ def crossentropy_forward(real[::1] losses, real[::1] lse, const real[:, ::1] log
     cdef double l
     cdef long long t
     check_size("crossentropy_forward", "losses", losses.shape[0], M)
-    check_size("crossentropy_forward", "lse", lse.shape[0], M)
+    check_size("crossentropy_forward", "rowmax", rowmax.shape[0], M)
+    check_size("crossentropy_forward", "logsum", logsum.shape[0], M)
     check_size("crossentropy_forward", "targets", targets.shape[0], M)
     if M == 0:
         return
@@ -420,28 +420,27 @@ def crossentropy_forward(real[::1] losses, real[::1] lse, const real[:, ::1] log
         for r in prange(M, schedule="static"):
             x = &logits[r, 0]
             m = row_max(x, C)
-            for j in range(C):
-                e[j] = vexp(x[j] - m)
-            l = m + log(row_sum(e, C))
-            lse[r] = <real>l
+            l = log(row_exp_sum(x, e, C, m))              # s, in double
+            rowmax[r] = m
+            logsum[r] = <real>l
             t = targets[r]
             if t == ignore_index:
                 losses[r] = 0
             elif label_smoothing > 0:
-                losses[r] = <real>((1 - label_smoothing) * (l - x[t])
-                                   + label_smoothing * (l - row_sum(x, C) / C))
+                losses[r] = <real>((1 - label_smoothing) * (l - <real>(x[t] - m))
+                                   + label_smoothing * (l - row_sum_dev(x, m, C) / C))
             else:
-                losses[r] = <real>(l - x[t])
+                losses[r] = <real>(l - <real>(x[t] - m))
     free(scratch)
 
 
 @cython.wraparound(False)
 def crossentropy_backward(real[:, ::1] dlogits, const real[::1] dlosses,
-                          const real[:, ::1] logits, const real[::1] lse,
-                          const long long[::1] targets, long long ignore_index,
-                          double label_smoothing, int num_threads):
+                          const real[:, ::1] logits, const real[::1] rowmax,
+                          const real[::1] logsum, const long long[::1] targets,
+                          long long ignore_index, double label_smoothing, int num_threads):
     """(M, C):  dlogits = dloss * (softmax(x) - (1 - eps) onehot(t) - eps / C),
-    softmax recomputed as exp(x - lse);  0 on ignored rows
+    softmax recomputed from forward's pair as exp((x - rowmax) - logsum);  0 on ignored rows
 
     NOTE: an ignored row gets 0 * softmax(x), not a plain 0: NaN where that row's softmax
     is NaN (a NaN or +inf logit), as torch, whose log_softmax backward multiplies the
@@ -449,11 +448,12 @@ def crossentropy_backward(real[:, ::1] dlogits, const real[::1] dlosses,
     cdef Py_ssize_t r, j, bad, M = logits.shape[0], C = logits.shape[1]
     cdef const real* x
     cdef real* dx
-    cdef real g, l, off
+    cdef real g, m, l, off
     cdef long long t
     check_shape2("crossentropy_backward", "dlogits", dlogits.shape[0], dlogits.shape[1], M, C)
     check_size("crossentropy_backward", "dlosses", dlosses.shape[0], M)
-    check_size("crossentropy_backward", "lse", lse.shape[0], M)
+    check_size("crossentropy_backward", "rowmax", rowmax.shape[0], M)
+    check_size("crossentropy_backward", "logsum", logsum.shape[0], M)
     check_size("crossentropy_backward", "targets", targets.shape[0], M)
     if M == 0:
         return
@@ -466,16 +466,16 @@ def crossentropy_backward(real[:, ::1] dlogits, const real[::1] dlosses,
         x = &logits[r, 0]
         dx = &dlogits[r, 0]
         t = targets[r]
+        m = rowmax[r]
+        l = logsum[r]
         if t == ignore_index:
-            l = lse[r]
             for j in range(C):
-                dx[j] = 0 * vexp(x[j] - l)
+                dx[j] = 0 * softmax_at(x[j], m, l)
         else:
             g = dlosses[r]
-            l = lse[r]
             off = <real>(label_smoothing / C)
             for j in range(C):
-                dx[j] = g * (vexp(x[j] - l) - off)
+                dx[j] = g * (softmax_at(x[j], m, l) - off)
             dx[t] = dx[t] - g * <real>(1 - label_smoothing)
 
 

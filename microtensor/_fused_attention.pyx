@@ -3,7 +3,9 @@
 
 Shapes (the Python side flattens the batch dims into one BH axis and checks them):
     q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv), out / dout (BH, Tq, hv)
-    lse (BH, Tq): the log-sum-exp of each row of scores, all backward keeps of softmax
+    rowmax, logsum (BH, Tq): the log-sum-exp of each row of scores as the pair
+        (m, s) of _fused_math.pxi (lse = m + s, never added up), all backward keeps of
+        softmax: P = exp((S - m) - s)
     mask (NM, Tq, Tk) additive float slabs, mask_index (BH,) picks the slab of each bh
 
     S = scale * q @ k^T + mask         P = softmax_rows(S)        out = P @ v
@@ -17,7 +19,7 @@ into out. Only that block of scores exists at any time (one buffer per thread, n
 the T x T matrix). Under is_causal, row i sees keys 0..i (top-left aligned, as torch),
 so the block of rows [i0, i1) needs only the first kmax = min(Tk, i1) keys: the gemms
 are trimmed to that and no work is spent on the masked upper triangle beyond the
-block's own diagonal. Backward recomputes P from the saved lse, block by block.
+block's own diagonal. Backward recomputes P from the saved (rowmax, logsum) pair, block by block.
 
 NaN and Inf propagate as in torch, which adds a mask of -inf to the scores: a row of
 NaN scores gives a NaN row (only a row whose every score is -inf, all masked, gives 0),
@@ -187,17 +189,20 @@ cdef double _ATTENTION_PARALLEL_MIN = 1 << 17
 
 
 @cython.wraparound(False)
-def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
+def attention_forward(real[:, :, ::1] out, real[:, ::1] rowmax, real[:, ::1] logsum,
                       const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
                       const real[:, :, ::1] mask, const long long[::1] mask_index,
                       bint has_mask, bint is_causal, double scale, double dropout_p,
                       unsigned long long seed, int block, int num_threads):
-    """q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv) -> out (BH, Tq, hv), lse (BH, Tq):
-    out = softmax(scale * q @ k^T + mask) @ v,  lse = logsumexp of each row of scores
+    """q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv) -> out (BH, Tq, hv), rowmax and
+    logsum (BH, Tq):  out = softmax(S) @ v,  S = scale * q @ k^T + mask,
+    rowmax = max(S),  logsum = log(sum(exp(S - rowmax))) of each row
 
-    NOTE: a row with every key masked (every score -inf) gets P = 0 (out = 0) and
-    lse = +inf, so that backward's exp(S - lse) is 0 there too (torch also returns 0 for
-    such rows); a row holding a NaN score gets NaN (out = NaN, lse = NaN), as torch."""
+    NOTE: a row with every key masked (every score -inf) gets P = 0 (out = 0),
+    rowmax = 0 and logsum = +inf, so that backward's exp((S - 0) - inf) is 0 there too
+    (torch also returns 0 for such rows); a row holding a NaN score gets NaN (out = NaN,
+    rowmax = logsum = NaN), as torch. A row masked by finfo.min is no such row: its
+    scores are finite, and softmax spreads it over the keys as torch does."""
     cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
     cdef int hs, hv
     cdef Py_ssize_t bh, blk, i0, nb, kmax, ncol, r, i, j, rows
@@ -213,9 +218,12 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
     _check_attention("attention_forward", BH, Tq, Tk, q.shape[2], v.shape[2],
                      (k.shape[0], k.shape[1], k.shape[2]), (v.shape[0], v.shape[1], v.shape[2]), (mask.shape[0], mask.shape[1], mask.shape[2]),
                      mask_index, has_mask, block)
-    if (out.shape[0], out.shape[1], out.shape[2]) != (BH, Tq, v.shape[2]) or (lse.shape[0], lse.shape[1]) != (BH, Tq):
-        raise ValueError(f"attention_forward: out {(out.shape[0], out.shape[1], out.shape[2])} / lse "
-                         f"{(lse.shape[0], lse.shape[1])} do not fit ({BH}, {Tq}, {v.shape[2]})")
+    if ((out.shape[0], out.shape[1], out.shape[2]) != (BH, Tq, v.shape[2])
+            or (rowmax.shape[0], rowmax.shape[1]) != (BH, Tq)
+            or (logsum.shape[0], logsum.shape[1]) != (BH, Tq)):
+        raise ValueError(f"attention_forward: out {(out.shape[0], out.shape[1], out.shape[2])} / "
+                         f"rowmax {(rowmax.shape[0], rowmax.shape[1])} / logsum "
+                         f"{(logsum.shape[0], logsum.shape[1])} do not fit ({BH}, {Tq}, {v.shape[2]})")
     hs, hv = <int>q.shape[2], <int>v.shape[2]
     num_threads = threads_for(<double>BH * Tq * Tk * hs, _ATTENTION_PARALLEL_MIN, num_threads)
     rows = imin(block, Tq)
@@ -246,21 +254,22 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
                             if _has_nan(row, ncol):
                                 for j in range(kmax):
                                     row[j] = NAN
-                                lse[bh, i] = NAN
+                                rowmax[bh, i] = NAN
+                                logsum[bh, i] = NAN
                             else:
                                 for j in range(kmax):
                                     row[j] = 0
-                                lse[bh, i] = INFINITY
+                                rowmax[bh, i] = 0
+                                logsum[bh, i] = INFINITY
                             continue
-                        for j in range(ncol):
-                            row[j] = vexp(row[j] - mx)
+                        ssum = row_exp_sum(row, row, ncol, mx)
                         for j in range(ncol, kmax):
                             row[j] = 0
-                        ssum = row_sum(row, ncol)
                         inv = <real>(1.0 / ssum)
                         for j in range(ncol):
                             row[j] = row[j] * inv
-                        lse[bh, i] = <real>(mx + log(ssum))
+                        rowmax[bh, i] = mx
+                        logsum[bh, i] = <real>log(ssum)
                         if dropout_p > 0:
                             for j in range(ncol):
                                 if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
@@ -278,7 +287,7 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] lse,
 def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv,
                        const real[:, :, ::1] dout,
                        const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
-                       const real[:, ::1] lse,
+                       const real[:, ::1] rowmax, const real[:, ::1] logsum,
                        const real[:, :, ::1] mask, const long long[::1] mask_index,
                        bint has_mask, bint is_causal, double scale, double dropout_p,
                        unsigned long long seed, int block, int num_threads,
@@ -286,7 +295,7 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
     """dout (BH, Tq, hv) -> dq (BH, Tq, hs) written, dk (BH, Tk, hs) and dv (BH, Tk, hv)
     accumulated (+=; the caller zeroes them), and, when given, dmask (BH, Tq, Tk) written
     (the gradient of the additive mask, dS before the scale):
-    P = exp(S - lse) (recomputed),  Pd = P * dropout_keep,  dv += Pd^T @ dout,
+    P = exp((S - rowmax) - logsum) (recomputed),  Pd = P * dropout_keep,  dv += Pd^T @ dout,
     dP = (dout @ v^T) * dropout_keep,  dS = P * (dP - rowsum(P * dP)),
     dq = scale * dS @ k,  dk += scale * dS^T @ q,  dmask = dS"""
     cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
@@ -303,7 +312,7 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
     cdef real* dprow
     cdef real* pdrow
     cdef const real* mrow0
-    cdef real l, D
+    cdef real m, l, D
     cdef real sc = <real>scale
     cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
     _check_attention("attention_backward", BH, Tq, Tk, q.shape[2], v.shape[2],
@@ -311,8 +320,9 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
                      mask_index, has_mask, block)
     if ((dq.shape[0], dq.shape[1], dq.shape[2]) != (q.shape[0], q.shape[1], q.shape[2]) or (dk.shape[0], dk.shape[1], dk.shape[2]) != (k.shape[0], k.shape[1], k.shape[2])
             or (dv.shape[0], dv.shape[1], dv.shape[2]) != (v.shape[0], v.shape[1], v.shape[2])
-            or (dout.shape[0], dout.shape[1], dout.shape[2]) != (BH, Tq, v.shape[2]) or (lse.shape[0], lse.shape[1]) != (BH, Tq)):
-        raise ValueError("attention_backward: dq, dk, dv, dout or lse do not fit q, k, v")
+            or (dout.shape[0], dout.shape[1], dout.shape[2]) != (BH, Tq, v.shape[2]) or (rowmax.shape[0], rowmax.shape[1]) != (BH, Tq)
+            or (logsum.shape[0], logsum.shape[1]) != (BH, Tq)):
+        raise ValueError("attention_backward: dq, dk, dv, dout, rowmax or logsum do not fit q, k, v")
     if want_dmask and (dmask.shape[0], dmask.shape[1], dmask.shape[2]) != (BH, Tq, Tk):
         raise ValueError(f"attention_backward: dmask must be ({BH}, {Tq}, {Tk}), got "
                          f"{(dmask.shape[0], dmask.shape[1], dmask.shape[2])}")
@@ -339,11 +349,12 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
                     kmax = imin(Tk, i0 + nb) if is_causal and not full else Tk
                     _scores_block(P, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
                                   sc, has_mask, is_causal, full)
-                    for r in range(nb):                       # P = exp(S - lse), in place
-                        l = lse[bh, i0 + r]
+                    for r in range(nb):                       # P = exp((S - m) - s), in place
+                        m = rowmax[bh, i0 + r]
+                        l = logsum[bh, i0 + r]
                         prow = P + r * kmax
                         for j in range(kmax):
-                            prow[j] = vexp(prow[j] - l)
+                            prow[j] = softmax_at(prow[j], m, l)
                     if dropout_p > 0:
                         for r in range(nb):
                             i = i0 + r

@@ -136,6 +136,55 @@ cdef inline double row_sum(const real* x, Py_ssize_t n) noexcept nogil:
     return (<double>s0 + s1) + (<double>s2 + s3) + ((<double>s4 + s5) + (<double>s6 + s7))
 
 
+cdef inline double row_sum_dev(const real* x, real m, Py_ssize_t n) noexcept nogil:
+    """sum(x[0:n] - m) with 8 partial sums: the row's sum measured from its max, exact
+    where sum(x) - n m is not (x of 1e30 in float32: each x - m is 0, sum(x) is off by
+    ~1e23)."""
+    cdef real s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0
+    cdef Py_ssize_t j = 0
+    while j + 8 <= n:
+        s0 = s0 + (x[j] - m)
+        s1 = s1 + (x[j + 1] - m)
+        s2 = s2 + (x[j + 2] - m)
+        s3 = s3 + (x[j + 3] - m)
+        s4 = s4 + (x[j + 4] - m)
+        s5 = s5 + (x[j + 5] - m)
+        s6 = s6 + (x[j + 6] - m)
+        s7 = s7 + (x[j + 7] - m)
+        j = j + 8
+    while j < n:
+        s0 = s0 + (x[j] - m)
+        j = j + 1
+    return (<double>s0 + s1) + (<double>s2 + s3) + ((<double>s4 + s5) + (<double>s6 + s7))
+
+
+# ---- the log-sum-exp, one for every kernel --------------------------------------------
+# lse(x) = log(sum(exp(x))) is kept as a PAIR (m, s): m = max(x), s = log(sum(exp(x - m)))
+# in [0, log n], and never added up into one number. m + s rounds s away when m is large
+# (1e9 in float32 has a spacing of 64: 1e9 + log 5 == 1e9), so everything that needs the
+# log-sum-exp uses the pair in that order: log_softmax(x) = (x - m) - s, the softmax that
+# backward recomputes is exp((x - m) - s), the cross-entropy loss is s - (x[t] - m).
+# x - m is exact when x is near m (Sterbenz) and only the small s is rounded.
+# Rows as torch: a row of -inf gives m = -inf, x - m = NaN, a NaN row (torch's
+# log_softmax, softmax and cross_entropy give NaN too); a +inf or NaN entry gives NaN.
+# Attention's all-masked rows (every score -inf) are its own rule: see _fused_attention.
+
+cdef inline double row_exp_sum(const real* x, real* e, Py_ssize_t n, real m) noexcept nogil:
+    """e[0:n] = exp(x - m) (e may be x itself) and returns sum(e); with m = row_max(x, n)
+    that sum is in [1, n] for a finite row, and s = log of it completes the pair (m, s).
+    (m is the caller's: a variable assigned in a prange body is private to its thread,
+    one written through a pointer would be shared.)"""
+    cdef Py_ssize_t j
+    for j in range(n):
+        e[j] = vexp(x[j] - m)
+    return row_sum(e, n)
+
+
+cdef inline real softmax_at(real x, real m, real s) noexcept nogil:
+    """exp(x - lse) for lse kept as the pair (m, s): exp((x - m) - s)."""
+    return vexp((x - m) - s)
+
+
 cdef inline double row_dot(const real* x, const real* y, Py_ssize_t n) noexcept nogil:
     """sum(x[0:n] * y[0:n]) with 8 partial sums."""
     cdef real s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0

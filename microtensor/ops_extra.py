@@ -238,9 +238,15 @@ def float_power(input, exponent):
 
 
 def xlogy(input, other):
-    """y = x log(o), 0 where x == 0 (as torch's)."""
+    """y = x log(o), 0 where x == 0 (as torch's). The gradients are torch's too:
+    dy/dx = log(o), also at x == 0 (the product is smooth in x there) except where
+    o <= 0 as well (0); dy/do = x / o."""
     x, o = input, other
-    return _core.where(_core.eq(x, 0), 0.0, _core.mul(x, _core.log(o)))
+    flat = _core.logical_and(_core.eq(x, 0), _core.le(o, 0))   # log(o) not used: 0
+    log_o = _core.where(flat, 0.0, _core.log(_core.where(flat, 1.0, o)))
+    y = _core.mul(x, log_o)
+    at_inf = _core.logical_or(_core.eq(o, math.inf), _core.eq(o, -math.inf))
+    return _core.where(_core.logical_and(_core.eq(x, 0), at_inf), 0.0, y)
 
 
 def lerp(input, end, weight):
@@ -384,7 +390,15 @@ def median(input, dim=None, keepdim=False):
         flat = _core.reshape(t, -1)
         if flat.shape[0] == 0:
             return wrap(np.asarray(np.nan, dtype=_float(t._data).dtype))
-        return kthvalue(flat, (flat.shape[0] + 1) // 2, 0).values
+        picked = kthvalue(flat, (flat.shape[0] + 1) // 2, 0).values
+        ties = np.asarray(flat._data == picked._data)
+        if ties.sum() < 2:
+            return picked
+        # as torch: the gradient spread evenly over every element equal to the median
+        # (the value stays the median exactly: each tie minus it is 0)
+        v = picked.detach()
+        share = wrap((ties / ties.sum()).astype(flat._data.dtype))
+        return _core.add(v, _core.sum(_core.mul(_core.sub(flat, v), share)))
     d = _dim(dim, t._data.ndim, "median")
     n = t._data.shape[d] if t._data.ndim else 1
     return kthvalue(t, (n + 1) // 2, d, keepdim)
@@ -407,13 +421,34 @@ def unique_consecutive(input, return_inverse=False, return_counts=False, dim=Non
     return out[0] if len(out) == 1 else tuple(out)
 
 
+def _logaddexp(a, b):
+    """log(e^a + e^b) = max(a, b) + log1p(e^-|a - b|), differentiable to any order (at a
+    tie each side gets half, as torch); -inf where both are -inf."""
+    both = np.asarray(np.isneginf(a._data) & np.isneginf(b._data))
+    if both.any():
+        a, b = _core.where(both, 0.0, a), _core.where(both, 0.0, b)
+    out = _core.add(_core.maximum(a, b),
+                    _core.op_function("log1p")(_core.exp(_core.neg(_core.abs(_core.sub(a, b))))))
+    return _core.where(both, -math.inf, out) if both.any() else out
+
+
 def logcumsumexp(input, dim):
-    """log(cumsum(exp(x))) with the running max subtracted (differentiable by parts)."""
+    """y_i = log(sum_{j <= i} exp(x_j)) along dim: a scan of logaddexp in log2(n) steps
+    (Hillis and Steele: at step s every y_i takes in y_{i - s}). Each step shifts by its
+    own pair's max, so an early small x_j is not lost to a later huge one (a single
+    shift by the global max turned exp(-1000 - 0) into 0 and y_0 into -inf)."""
     t = _tensor(input, "logcumsumexp")
-    m = _core.amax(t.detach(), dim=dim, keepdim=True) if t.numel() else 0.0
-    if isinstance(m, Tensor):
-        m = _core.where(_core.isfinite(m), m, 0.0)
-    return _core.add(_core.log(cumsum(_core.exp(_core.sub(t, m)), dim)), m)
+    if t._data.ndim == 0:
+        return _core.add(t, 0.0)
+    d = _dim(dim, t._data.ndim, "logcumsumexp")
+    y = t if t._data.dtype.kind == "f" else _core.mul(t, 1.0)
+    n, s = t._data.shape[d], 1
+    while s < n:
+        head = _core.op_function("narrow")(y, d, 0, s)
+        tail = _logaddexp(_core.op_function("narrow")(y, d, s, n - s), _core.op_function("narrow")(y, d, 0, n - s))
+        y = _core.cat([head, tail], d)
+        s *= 2
+    return y if y is not t else _core.add(t, 0.0)
 
 
 # ---- reductions and comparisons without gradients: ops_compare.py ----------------------

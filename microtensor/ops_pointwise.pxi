@@ -222,12 +222,28 @@ def neg(x):
 
 # ---- unary ops with a Cython backward kernel -----------------------------------------
 
-cdef inline object _float_data(Tensor t):
-    """Float ops on an integer tensor compute in float32, as torch does."""
+cdef inline object _float_data(Tensor t, str op):
+    """Float ops on an integer (or bool) tensor compute in float32, as torch does; a
+    complex tensor is refused (casting it would drop the imaginary part unsaid)."""
     d = t._data
-    if d.dtype.kind != "f":
-        return d.astype(float32)
-    return d
+    if d.dtype.kind == "f":
+        return d
+    if d.dtype.kind not in "biu":
+        raise TypeError(f"{op}: tensors of dtype {_dtype_name(d.dtype)} are not supported "
+                        f"(float, integer or bool)")
+    return d.astype(float32)
+
+
+cdef inline object _kernel_float(object dt, str op):
+    """The float type the Cython kernels run in for data of dtype dt: float32 and float64
+    as they are, float16 in float32 (rounded back to float16 after, as torch computes
+    half precision on the CPU). Any other dtype: a TypeError that names it."""
+    if dt == float32 or dt == float64:
+        return dt
+    if dt == np.float16:
+        return float32
+    raise TypeError(f"{op}: no kernel for dtype {_dtype_name(dt)} "
+                    f"(float16, float32 or float64)")
 
 
 cdef inline object _flat(object a):
@@ -240,9 +256,12 @@ cdef class UnaryBackward(Node):
     cdef readonly object kernel
 
     cpdef tuple backward(self, g):
-        dinp = np.empty(self.saved.shape, dtype=self.saved.dtype)
-        self.kernel(dinp.reshape(-1), _flat(g), _flat(self.saved))
-        return (dinp,)
+        saved = self.saved
+        work = _kernel_float(saved.dtype, self.name())
+        dinp = np.empty(saved.shape, dtype=work)
+        self.kernel(dinp.reshape(-1), _flat(np.asarray(g, dtype=work)),
+                    _flat(saved.astype(work, copy=False)))
+        return (dinp if work == saved.dtype else dinp.astype(saved.dtype),)
 
     cpdef release(self):
         self.saved = None
@@ -283,14 +302,14 @@ cdef inline Tensor _unary_result(Tensor t, object out, object kernel, object sav
 def exp(x):
     """y = e^x;  dx = g * y"""
     cdef Tensor t = _t(x)
-    out = np.exp(_float_data(t))
+    out = np.exp(_float_data(t, "exp"))
     return _unary_result(t, out, exp_backward, out)
 
 
 def log(x):
     """y = ln x;  dx = g / x"""
     cdef Tensor t = _t(x)
-    d = _float_data(t)
+    d = _float_data(t, "log")
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.log(d)
     return _unary_result(t, out, log_backward, d)
@@ -300,23 +319,26 @@ def sqrt(x):
     """y = sqrt(x);  dx = g / (2y)"""
     cdef Tensor t = _t(x)
     with np.errstate(invalid="ignore"):
-        out = np.sqrt(_float_data(t))
+        out = np.sqrt(_float_data(t, "sqrt"))
     return _unary_result(t, out, sqrt_backward, out)
 
 
 def tanh(x):
     """y = tanh x;  dx = g * (1 - y^2)"""
     cdef Tensor t = _t(x)
-    out = np.tanh(_float_data(t))
+    out = np.tanh(_float_data(t, "tanh"))
     return _unary_result(t, out, tanh_backward, out)
 
 
 def sigmoid(x):
     """y = 1 / (1 + e^-x);  dx = g * y * (1 - y)"""
     cdef Tensor t = _t(x)
-    d = _contig(_float_data(t))
-    out = np.empty_like(d)
-    sigmoid_forward(out.reshape(-1), d.reshape(-1))
+    d = _contig(_float_data(t, "sigmoid"))
+    work = _kernel_float(d.dtype, "sigmoid")
+    out = np.empty(d.shape, dtype=work)
+    sigmoid_forward(out.reshape(-1), d.astype(work, copy=False).reshape(-1))
+    if work != d.dtype:
+        out = out.astype(d.dtype)
     return _unary_result(t, out, sigmoid_backward, out)
 
 
@@ -324,11 +346,17 @@ def relu(x):
     """y = max(x, 0);  dx = g * (x > 0)"""
     cdef Tensor t = _t(x)
     d = t._data
-    if d.dtype.kind != "f":
+    if d.dtype.kind in "iu":
         return Tensor._wrap(np.maximum(d, 0))
+    if d.dtype.kind != "f":                               # bool and complex, as torch
+        raise TypeError(f"relu: tensors of dtype {_dtype_name(d.dtype)} are not supported "
+                        f"(float or integer)")
     d = _contig(d)
-    out = np.empty_like(d)
-    relu_forward(out.reshape(-1), d.reshape(-1))
+    work = _kernel_float(d.dtype, "relu")
+    out = np.empty(d.shape, dtype=work)
+    relu_forward(out.reshape(-1), d.astype(work, copy=False).reshape(-1))
+    if work != d.dtype:
+        out = out.astype(d.dtype)
     return _unary_result(t, out, relu_backward, d)
 
 
@@ -336,6 +364,8 @@ def abs(x):
     """y = |x|;  dx = g * sign(x)"""
     cdef Tensor t = _t(x)
     d = t._data
+    if d.dtype == bool_:                                  # as torch
+        raise TypeError("abs: tensors of dtype bool are not supported (float or integer)")
     out = np.abs(d)
     if d.dtype.kind != "f":
         return Tensor._wrap(out)
@@ -347,9 +377,12 @@ cdef class ClampBackward(Node):
     cdef readonly object x
     cdef readonly double lo, hi
     cpdef tuple backward(self, g):
-        dinp = np.empty(self.x.shape, dtype=self.x.dtype)
-        clamp_backward(dinp.reshape(-1), _flat(g), _flat(self.x), self.lo, self.hi)
-        return (dinp,)
+        x = self.x
+        work = _kernel_float(x.dtype, "ClampBackward")
+        dinp = np.empty(x.shape, dtype=work)
+        clamp_backward(dinp.reshape(-1), _flat(np.asarray(g, dtype=work)),
+                       _flat(x.astype(work, copy=False)), self.lo, self.hi)
+        return (dinp if work == x.dtype else dinp.astype(x.dtype),)
 
     cpdef release(self):
         self.x = None

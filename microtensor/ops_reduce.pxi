@@ -113,7 +113,13 @@ def var(x, dim=None, keepdim=False, correction=1, unbiased=None):
 
 
 def std(x, dim=None, keepdim=False, correction=1, unbiased=None, keepdims=None):
-    return sqrt(var(x, dim, keepdim if keepdims is None else keepdims, correction, unbiased))
+    """sqrt(var);  its gradient is 0 where std is 0 (a constant row), as torch's, not
+    the 0 / 0 of sqrt's rule there."""
+    v = var(x, dim, keepdim if keepdims is None else keepdims, correction, unbiased)
+    zero = np.asarray(v._data == 0)
+    if not zero.any():
+        return sqrt(v)
+    return where(zero, 0.0, sqrt(where(zero, 1.0, v)))
 
 
 cpdef object _max_hits(object x, object out, bint evenly):

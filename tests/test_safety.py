@@ -940,7 +940,7 @@ def test_attention_threaded(threads, causal, dtype):
                    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                    [q, k, v], lambda q, k, v, up: attention_ref(q, k, v, up, causal),
                    threads.attention, ["attention_forward"], dtype=dtype)
-    assert sorted(threads.attention.threads("attention_backward", 16)) == [1, 2]
+    assert sorted(threads.attention.threads("attention_backward", 17)) == [1, 2]
 
 
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
@@ -1067,7 +1067,8 @@ def test_fused_kernels_refuse_mismatched_sizes():
     with pytest.raises(ValueError, match="dinp"):
         K.softmax_backward(np.zeros((1, 4)), x, x, 1)
     with pytest.raises(ValueError, match="targets"):
-        K.crossentropy_forward(np.zeros(3), np.zeros(3), x, np.zeros(2, np.int64), -100, 0.0, 1)
+        K.crossentropy_forward(np.zeros(3), np.zeros(3), np.zeros(3), x, np.zeros(2, np.int64),
+                               -100, 0.0, 1)
     with pytest.raises(ValueError, match="mask"):
         K.dropout_forward(np.zeros(5), np.zeros(4), np.zeros(5), np.zeros(5, np.float32), 0.5, 1)
 
@@ -1079,30 +1080,31 @@ def test_fused_kernels_refuse_out_of_range_indices():
     with pytest.raises(IndexError, match="out of range"):
         K.embedding_backward(np.zeros((5, 3)), np.zeros((2, 3)), np.array([-1, 0]), 1)
     with pytest.raises(IndexError, match="out of bounds"):
-        K.crossentropy_forward(np.zeros(2), np.zeros(2), np.zeros((2, 4)), np.array([0, 4]), -100, 0.0, 1)
+        K.crossentropy_forward(np.zeros(2), np.zeros(2), np.zeros(2), np.zeros((2, 4)),
+                               np.array([0, 4]), -100, 0.0, 1)
     with pytest.raises(IndexError, match="out of bounds"):
         K.crossentropy_backward(np.zeros((2, 4)), np.ones(2), np.zeros((2, 4)), np.zeros(2),
-                                np.array([9, -100]), -100, 0.0, 1)
+                                np.zeros(2), np.array([9, -100]), -100, 0.0, 1)
 
 
 def test_attention_kernels_check_shapes_and_mask_index():
     A = F._attention
     q, k, v = np.zeros((2, 3, 4)), np.zeros((2, 5, 4)), np.zeros((2, 5, 6))
-    out, lse = np.zeros((2, 3, 6)), np.zeros((2, 3))
+    out, rowmax, logsum = np.zeros((2, 3, 6)), np.zeros((2, 3)), np.zeros((2, 3))
     mask, index = np.zeros((1, 3, 5)), np.zeros(2, np.int64)
     args = (False, False, 0.5, 0.0, 0, 64, 1)
-    A.attention_forward(out, lse, q, k, v, mask, index, *args)       # the good call
+    A.attention_forward(out, rowmax, logsum, q, k, v, mask, index, *args)       # the good call
     with pytest.raises(ValueError, match="do not fit"):
-        A.attention_forward(out, lse, q, np.zeros((2, 6, 4)), v, mask, index, *args)
+        A.attention_forward(out, rowmax, logsum, q, np.zeros((2, 6, 4)), v, mask, index, *args)
     with pytest.raises(ValueError, match="out"):
-        A.attention_forward(np.zeros((2, 3, 5)), lse, q, k, v, mask, index, *args)
+        A.attention_forward(np.zeros((2, 3, 5)), rowmax, logsum, q, k, v, mask, index, *args)
     with pytest.raises(IndexError, match="mask_index"):
-        A.attention_forward(out, lse, q, k, v, mask, np.array([0, 1]), True, *args[1:])
+        A.attention_forward(out, rowmax, logsum, q, k, v, mask, np.array([0, 1]), True, *args[1:])
     with pytest.raises(ValueError, match="block"):
-        A.attention_forward(out, lse, q, k, v, mask, index, *args[:5], 0, 1)
+        A.attention_forward(out, rowmax, logsum, q, k, v, mask, index, *args[:5], 0, 1)
     with pytest.raises(ValueError, match="dmask"):
         A.attention_backward(np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), out, q, k, v,
-                             lse, mask, index, *args, np.zeros((2, 3, 4)))
+                             rowmax, logsum, mask, index, *args, np.zeros((2, 3, 4)))
 
 
 @pytest.mark.parametrize("n", [0, -5, 2 ** 31 - 1])

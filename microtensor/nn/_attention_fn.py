@@ -79,8 +79,9 @@ class AttentionBackward(Node):
                 q = np.zeros(q.shape[:2] + (1,), q.dtype)   # one zero column, scale 0,
                 k = np.zeros(k.shape[:2] + (1,), k.dtype)   # dq and dk stay empty
                 scale, dq_k, dk_k = 0.0, np.zeros_like(q), np.zeros_like(k)
-            F._attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.lse, self.slabs,
-                                          self.index, self.has_mask, self.is_causal, scale,
+            F._attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.rowmax,
+                                          self.logsum, self.slabs, self.index, self.has_mask,
+                                          self.is_causal, scale,
                                           self.dropout_p, self.seed, self.block,
                                           min(_threads(q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2]),
                                               q.shape[0]), dmask)
@@ -144,23 +145,26 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     q3, k3, v3 = flat(q, Tq, hs), flat(k, Tk, hs), flat(v, Tk, hv)
     out3 = np.empty((BH, Tq, hv), q.dtype)
-    lse = np.empty((BH, Tq), q.dtype)
+    rowmax = np.empty((BH, Tq), q.dtype)                  # each row's log-sum-exp as the
+    logsum = np.empty((BH, Tq), q.dtype)                  # pair (max, log-sum), never added
     seed = int(_core.default_generator().integers(0, 2 ** 63)) if dropout_p > 0 else 0
     block = _ATTENTION_BLOCK_CAUSAL if is_causal else _ATTENTION_BLOCK
     if out3.size == 0 or Tk == 0:
         out3[...] = 0                                    # nothing to attend to
-        lse[...] = np.inf
+        rowmax[...] = 0
+        logsum[...] = np.inf
     elif hs == 0:
         # an empty dot product: every score is 0 (plus the mask), as torch computes it;
         # the kernel runs on one zero column with scale 0 (no 0 * inf from 1/sqrt(0))
-        F._attention.attention_forward(out3, lse, np.zeros((BH, Tq, 1), q.dtype),
+        F._attention.attention_forward(out3, rowmax, logsum, np.zeros((BH, Tq, 1), q.dtype),
                                      np.zeros((BH, Tk, 1), q.dtype), v3, slabs, index,
                                      attn_mask is not None, bool(is_causal), 0.0,
                                      float(dropout_p), seed, block, 1)
     else:
-        F._attention.attention_forward(out3, lse, q3, k3, v3, slabs, index, attn_mask is not None,
-                                     bool(is_causal), scale, float(dropout_p), seed,
-                                     block, min(_threads(BH * Tq * Tk * hs), BH))
+        F._attention.attention_forward(out3, rowmax, logsum, q3, k3, v3, slabs, index,
+                                     attn_mask is not None, bool(is_causal), scale,
+                                     float(dropout_p), seed, block,
+                                     min(_threads(BH * Tq * Tk * hs), BH))
     out = wrap(out3.reshape(batch + (Tq, hv)))
     # a float mask tensor is an input: it may take a gradient, and its slabs may be views
     # of it that backward reads (a bool mask is turned into a private array)
@@ -168,7 +172,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     inputs = (query, key, value, attn_mask) if mask_input else (query, key, value)
     if needs_graph(inputs):
         node = AttentionBackward()
-        node.q, node.k, node.v, node.lse = q3, k3, v3, lse
+        node.q, node.k, node.v = q3, k3, v3
+        node.rowmax, node.logsum = rowmax, logsum
         node.slabs, node.index, node.has_mask = slabs, index, attn_mask is not None
         node.is_causal, node.scale, node.dropout_p, node.seed = bool(is_causal), scale, float(dropout_p), seed
         node.batch, node.shapes, node.block = tuple(batch), (q.shape, k.shape, v.shape), block

@@ -48,7 +48,8 @@ def _ce_rows(x, t, op):
 class CrossEntropyBackward(Node):
     """loss_i = logsumexp(x_i) - x_i[t_i];  dx_i = g_i * (softmax(x_i) - onehot(t_i)),
     g_i = 0 on ignored rows, divided by the number of counted rows for 'mean'
-    (kernel: crossentropy_backward, which recomputes softmax from the saved logsumexp)"""
+    (kernel: crossentropy_backward, which recomputes softmax from the saved log-sum-exp,
+    kept as the pair (rowmax, logsum): exp((x - rowmax) - logsum))"""
 
     def backward(self, g):
         rows = self.rows                                 # (M, C)
@@ -61,8 +62,8 @@ class CrossEntropyBackward(Node):
             dlosses = np.full(M, scale, dtype=rows.dtype)
         dlogits = np.empty_like(rows)
         if rows.size:
-            F._fused.crossentropy_backward(dlogits, dlosses, rows, self.lse, self.tgt,
-                                         self.ignore_index, self.label_smoothing,
+            F._fused.crossentropy_backward(dlogits, dlosses, rows, self.rowmax, self.logsum,
+                                         self.tgt, self.ignore_index, self.label_smoothing,
                                          _threads(rows.size))
         if self.how == "second":                         # (N*d, C) -> (N, C, d...)
             x_shape = self.x_shape
@@ -103,9 +104,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
                          f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
     losses = np.empty(M, x.dtype)
-    lse = np.empty(M, x.dtype)
+    rowmax = np.empty(M, x.dtype)                        # each row's log-sum-exp as the
+    logsum = np.empty(M, x.dtype)                        # pair (max, log-sum), never added
     if rows.size:
-        F._fused.crossentropy_forward(losses, lse, rows, tgt, int(ignore_index),
+        F._fused.crossentropy_forward(losses, rowmax, logsum, rows, tgt, int(ignore_index),
                                     float(label_smoothing), _threads(rows.size))
     else:
         losses[:] = 0
@@ -120,7 +122,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     out = wrap(out)
     if needs_graph((input,)):
         node = CrossEntropyBackward()
-        node.rows, node.tgt, node.lse = rows, tgt, lse
+        node.rows, node.tgt, node.rowmax, node.logsum = rows, tgt, rowmax, logsum
         node.reduction, node.count, node.how = reduction, count, how
         node.x_shape, node.out_shape = x.shape, out_shape
         node.ignore_index, node.label_smoothing = int(ignore_index), float(label_smoothing)

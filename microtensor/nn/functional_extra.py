@@ -292,17 +292,27 @@ def celu(input, alpha=1.0, inplace=False):
                        _core.mul(_expm1_negative_part(input, 1.0 / alpha), alpha))
 
 
+def _clamp_open(input, lo, hi):
+    """clamp(x, lo, hi) with the gradient of torch's hardtanh: g strictly between the
+    bounds, 0 at and beyond them (clamp's own gradient passes at the bounds); NaN keeps g."""
+    outside = _core.logical_or(_core.le(input, lo), _core.ge(input, hi))
+    return _core.where(outside, _core.clamp(input.detach(), lo, hi), input)
+
+
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
-    return _core.clamp(input, min_val, max_val)
+    """clamp(x, min_val, max_val); gradient 0 at the bounds, as torch"""
+    return _clamp_open(input, min_val, max_val)
 
 
 def relu6(input, inplace=False):
-    return _core.clamp(input, 0.0, 6.0)
+    """hardtanh(x, 0, 6): gradient 0 at 0 and at 6, as torch"""
+    return _clamp_open(input, 0.0, 6.0)
 
 
 def hardsigmoid(input, inplace=False):
-    """clamp(x / 6 + 1/2, 0, 1)"""
-    return _core.clamp(_core.add(_core.div(input, 6.0), 0.5), 0.0, 1.0)
+    """clamp(x / 6 + 1/2, 0, 1); gradient 0 at x = -3 and 3, as torch (so hardswish's is
+    0 at -3 and g at 3)"""
+    return _clamp_open(_core.add(_core.div(input, 6.0), 0.5), 0.0, 1.0)
 
 
 def hardswish(input, inplace=False):
