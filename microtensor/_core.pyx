@@ -13,10 +13,12 @@ into this one extension so that ops reach tensors' fields at C speed:
   versions.pxi        version counters: in-place changes to saved tensors are caught
   autograd_engine.pxi Node, the backward traversal (iterative, topological)
   dtypes.pxi          the numpy dtypes of the core, devices, torch-style dtype names
+  capture_hook.pxi    the one door mt.compile watches: value reads, writes, new tensors
   tensor.pxi          Tensor, Parameter
   registry.pxi        the op registry: one row makes mt.<op>, t.<op>() and the operator
   creation.pxi        creation functions, the random generator
-  ops_pointwise.pxi   + - * / ** and unary ops, where, masked_fill, comparisons
+  ops_pointwise.pxi   + - * / ** and unary ops, where, masked_fill
+  ops_logical.pxi     comparisons, logical ops, isnan/isfinite (bool results, no gradient)
   ops_reduce.pxi      sum, mean, var, amax/max, argmax, logsumexp
   ops_shape.pxi       reshape/view, permute, expand, cat/stack, split, indexing
   ops_matmul.pxi      matmul (2-D and 3-D float products through microtensor._blas)
@@ -35,10 +37,12 @@ include "grad_mode.pxi"
 include "versions.pxi"
 include "autograd_engine.pxi"
 include "dtypes.pxi"
+include "capture_hook.pxi"
 include "tensor.pxi"
 include "registry.pxi"
 include "creation.pxi"
 include "ops_pointwise.pxi"
+include "ops_logical.pxi"
 include "ops_reduce.pxi"
 include "ops_shape.pxi"
 include "ops_matmul.pxi"
