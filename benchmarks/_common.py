@@ -265,6 +265,7 @@ def machine_info(threads, torch=None):
     c = mt_config.config()
     info["kernel_build"] = c["build"]
     info["blas"] = c["blas"]
+    info["gemm"] = c["gemm"]
     info["openmp_wait"] = c["openmp_wait"]
     info["config_lines"] = mt_config.format_config(c)
     return info

@@ -21,7 +21,8 @@ import numpy as np
 from cython.parallel cimport prange
 cimport cython
 from microtensor._common cimport (real, bounded_threads, threads_for, MT_PARALLEL_MIN_SCALE,
-                                  gemm as rowmajor_gemm)
+                                  gemm as rowmajor_gemm, use_gemm)
+from microtensor import _blas_choice
 
 # Parallel threshold (multiply-adds, M * N * K; see threads_for in _common.pxd): sgemm
 # at one thread took 0.020-0.034 ns a multiply-add on a 2-core Intel Xeon (Sapphire
@@ -200,6 +201,41 @@ def batched_gemm(a, b, out=None, int num_threads=1):
             rowmajor_gemm(fa, fb, M, N, K, alpha_d, &da3[i, 0, 0], lda, &db3[i, 0, 0], ldb,
                           beta_d, &dc3[i, 0, 0], N)
     return out
+
+
+# ---- which BLAS: chosen once, here --------------------------------------------------
+
+_choice = _blas_choice.choose()
+use_gemm(_choice["sgemm"], _choice["dgemm"])
+
+
+def gemm_pointers():
+    """(sgemm, dgemm) addresses of the chosen BLAS (0: scipy's cython_blas), for the other
+    extensions that cimport gemm: each calls use_gemm(*gemm_pointers()) at import."""
+    return _choice["sgemm"], _choice["dgemm"]
+
+
+def _use_for_benchmark(name):
+    """Point this module's gemm (not attention's) at 'openblas' or 'mkl' for the rest of
+    the process: benchmarks/bench_blas.py times both through the same entry. Returns the
+    choice dict; raises ValueError when that library cannot be used."""
+    choice = _benchmark_choices.get(name)
+    if choice is None:
+        choice = _blas_choice.choose(name)
+        if choice["name"] != name:
+            raise ValueError(f"BLAS {name!r} is not available here: {choice['reason']}")
+        _benchmark_choices[name] = choice
+    use_gemm(choice["sgemm"], choice["dgemm"])
+    return choice
+
+
+_benchmark_choices = {}
+
+
+def blas_choice():
+    """The BLAS behind gemm: name ('openblas' or 'mkl'), version, path, request
+    (MICROTENSOR_BLAS) and reason. See microtensor/_blas_choice.py."""
+    return {k: v for k, v in _choice.items() if k not in ("sgemm", "dgemm")}
 
 
 # Pin before any gemm runs inside a parallel region.

@@ -52,6 +52,34 @@ cdef inline int threads_for(double work, double min_work, long num_threads) noex
     return bounded_threads(num_threads)
 
 
+# ---- the one gemm ----------------------------------------------------------------------
+#
+# A Fortran sgemm/dgemm reached through a pointer, so that the library is chosen once at
+# import (microtensor/_blas_choice.py: scipy's OpenBLAS, or oneMKL on Intel). The
+# pointers are C statics: each extension that cimports gemm holds its own pair, set by
+# `use_gemm` when the module is imported (from microtensor._blas.gemm_pointers()); until
+# then, and when the choice is scipy's, they point at scipy's cython_blas.
+ctypedef void (*sgemm_ptr)(char*, char*, int*, int*, int*, float*, float*, int*,
+                           float*, int*, float*, float*, int*) noexcept nogil
+ctypedef void (*dgemm_ptr)(char*, char*, int*, int*, int*, double*, double*, int*,
+                           double*, int*, double*, double*, int*) noexcept nogil
+
+cdef extern from *:
+    """
+    static void* mt_sgemm = 0;
+    static void* mt_dgemm = 0;
+    """
+    void* mt_sgemm
+    void* mt_dgemm
+
+
+cdef inline void use_gemm(size_t s, size_t d) noexcept nogil:
+    """Point this extension's gemm at sgemm/dgemm (addresses; 0 = scipy's cython_blas)."""
+    global mt_sgemm, mt_dgemm
+    mt_sgemm = <void*>s if s else <void*>sgemm
+    mt_dgemm = <void*>d if d else <void*>dgemm
+
+
 cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,
                       const real* A, int lda, const real* B, int ldb, real beta,
                       real* C, int ldc) noexcept nogil:
@@ -59,12 +87,14 @@ cdef inline void gemm(char transa, char transb, int M, int N, int K, real alpha,
 
     transa = 'N' when A is stored (M, K) row-major, 'T' when (K, M); transb likewise for
     B, (K, N) or (N, K); lda, ldb, ldc are the row lengths of the row-major storages.
-    scipy's BLAS (cython_blas, callable without the GIL) is Fortran, column-major: a
-    row-major matrix is its transpose there, so this asks for C^T = op(B)^T op(A)^T:
-    the operands swapped, the flags kept."""
+    The BLAS (Fortran, column-major; callable without the GIL) reads a row-major matrix
+    as its transpose, so this asks for C^T = op(B)^T op(A)^T: the operands swapped, the
+    flags kept."""
+    if mt_sgemm == NULL:        # an extension that never called use_gemm: scipy's
+        use_gemm(0, 0)
     if real is float:
-        sgemm(&transb, &transa, &N, &M, &K, &alpha, <float*>B, &ldb, <float*>A, &lda,
-              &beta, C, &ldc)
+        (<sgemm_ptr>mt_sgemm)(&transb, &transa, &N, &M, &K, &alpha, <float*>B, &ldb,
+                              <float*>A, &lda, &beta, C, &ldc)
     else:
-        dgemm(&transb, &transa, &N, &M, &K, &alpha, <double*>B, &ldb, <double*>A, &lda,
-              &beta, C, &ldc)
+        (<dgemm_ptr>mt_dgemm)(&transb, &transa, &N, &M, &K, &alpha, <double*>B, &ldb,
+                              <double*>A, &lda, &beta, C, &ldc)

@@ -45,7 +45,7 @@ swap the operands, keep the flags.
 from cython.parallel cimport prange, parallel, threadid
 from libc.float cimport FLT_MAX, DBL_MAX
 cimport cython
-from microtensor._common cimport gemm
+from microtensor._common cimport gemm, use_gemm
 
 include "_fused_math.pxi"
 
@@ -61,7 +61,10 @@ cdef unsigned long long _MIX2 = 0x94D049BB133111EB
 # thread (microtensor._blas.pin_blas_threads; numpy's OpenBLAS is another library).
 # NOTE: openblas_set_num_threads_local is not per-thread in pthreads builds: not used.
 
-from microtensor._blas import pin_blas_threads
+from microtensor._blas import pin_blas_threads, gemm_pointers
+
+_pointers = gemm_pointers()
+use_gemm(_pointers[0], _pointers[1])        # the BLAS microtensor._blas chose
 
 
 def blas_thread_control_found():

@@ -5,8 +5,9 @@
     microtensor 0.1.0
       CPU            Intel(R) Xeon(R) Processor (2 logical CPUs, 2 physical cores, 2 available)
       kernel build   -O3 -g0 -fopenmp (baseline x86-64), OpenMP
-      fused kernels  avx2,fma (CPU has AVX2+FMA; MICROTENSOR_KERNELS=auto)
-      BLAS (gemm)    scipy's OpenBLAS 0.3.28, SkylakeX kernel, 1 thread (microtensor splits)
+      fused kernels  avx512; attention avx512 (CPU has AVX2+FMA: yes, AVX-512: yes; ...)
+      BLAS (gemm)    oneMKL 2026.2, sequential, called by each of microtensor's threads
+                     (auto: Intel CPU, oneMKL installed)
       BLAS (numpy)   numpy's OpenBLAS 0.3.31, SkylakeX kernel, 2 threads
       threads        2 (default: the physical cores; OMP_NUM_THREADS unset)
       OpenMP waiting OMP_WAIT_POLICY=PASSIVE (set by microtensor); ...
@@ -55,10 +56,11 @@ def kernel_build():
     except ImportError:   # built before setup.py recorded its flags
         build = {"compile_args": None, "openmp": None, "native": None, "compiler": None}
     from microtensor.nn import functional as F
-    from microtensor.nn._functional_common import _cpu_has_avx2_fma
+    from microtensor.nn._functional_common import _cpu_has_avx2_fma, _cpu_has_avx512
     build["fused_kernels"] = getattr(F._fused, "TARGET", "baseline")
     build["attention_kernels"] = getattr(F._attention, "TARGET", "baseline")
     build["cpu_has_avx2_fma"] = _cpu_has_avx2_fma()
+    build["cpu_has_avx512"] = _cpu_has_avx512()
     build["MICROTENSOR_KERNELS"] = os.environ.get("MICROTENSOR_KERNELS", "auto")
     return build
 
@@ -79,6 +81,13 @@ def blas():
     return out
 
 
+def gemm_blas():
+    """The BLAS microtensor's gemm calls (chosen at import, microtensor/_blas_choice.py):
+    name, version, path, request (MICROTENSOR_BLAS) and reason."""
+    from microtensor import _blas
+    return _blas.blas_choice()
+
+
 def config():
     """Everything show_config() prints, as a dict."""
     import microtensor as mt
@@ -96,6 +105,7 @@ def config():
         "cpus_available": len(_allowed_cpus()),
         "build": kernel_build(),
         "blas": blas(),
+        "gemm": gemm_blas(),
         "threads": mt.get_num_threads(),
         "default_threads": default_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
@@ -115,7 +125,15 @@ def format_config(c):
     flags = " ".join(b["compile_args"]) if b["compile_args"] is not None else "unknown (built " \
         "before setup.py recorded its flags)"
     target = "-march=native" if b["native"] else "baseline of the platform"
-    gemm = [lib for lib in c["blas"] if lib["user"] != "numpy"]
+    choice = c.get("gemm") or {"name": "openblas"}
+    if choice["name"] == "mkl":
+        gemm_line = (f"oneMKL {choice['version']}, sequential, called by each of microtensor's "
+                     f"threads ({choice['reason']})")
+    else:
+        gemm_line = "; ".join(_blas_line(lib) for lib in c["blas"] if lib["user"] != "numpy") \
+            or "scipy's BLAS"
+        if choice.get("reason"):
+            gemm_line += f" ({choice['reason']})"
     npy = [lib for lib in c["blas"] if lib["user"] == "numpy"]
     wait = "; ".join(f"{k}={v['value']} ({v['source']})" for k, v in c["openmp_wait"].items())
     return [
@@ -125,9 +143,10 @@ def format_config(c):
         f"  kernel build   {flags} ({target}); OpenMP "
         f"{'on' if b['openmp'] else 'off' if b['openmp'] is not None else '?'}",
         f"  fused kernels  {b['fused_kernels']}; attention {b['attention_kernels']} "
-        f"(CPU has AVX2+FMA: {'yes' if b['cpu_has_avx2_fma'] else 'no'}; "
+        f"(CPU has AVX2+FMA: {'yes' if b['cpu_has_avx2_fma'] else 'no'}, AVX-512: "
+        f"{'yes' if b.get('cpu_has_avx512') else 'no'}; "
         f"MICROTENSOR_KERNELS={b['MICROTENSOR_KERNELS']})",
-        "  BLAS (gemm)    " + ("; ".join(_blas_line(lib) for lib in gemm) or "none found"),
+        "  BLAS (gemm)    " + gemm_line,
         "  BLAS (numpy)   " + ("; ".join(_blas_line(lib) for lib in npy) or "not OpenBLAS"),
         f"  threads        {c['threads']} (default {c['default_threads']}: "
         + (f"OMP_NUM_THREADS={c['OMP_NUM_THREADS']})" if c["OMP_NUM_THREADS"]
@@ -142,5 +161,5 @@ def show_config(file=None):
     print("\n".join(format_config(config())), file=file)
 
 
-__all__ = ["show_config", "config", "cpu_model", "cpu_vendor", "kernel_build", "blas",
+__all__ = ["show_config", "config", "cpu_model", "cpu_vendor", "kernel_build", "blas", "gemm_blas",
            "OMP_DEFAULTS"]

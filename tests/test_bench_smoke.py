@@ -49,6 +49,28 @@ def test_bench_ops_core_runs():
         assert r["seconds"]["microtensor/fwd+bwd"] > 0
 
 
+def test_bench_blas_runs_every_candidate():
+    out = run_script("bench_blas.py", "--configs", "tiny", "--repeats", "1", "--min-time", "0",
+                     "--allow-busy", "--no-torch", "--json")
+    rec = last_json(out)
+    ms = rec["configs"]["tiny"]["ms_per_step"]
+    assert any(k.startswith("mt/OpenBLAS") for k in ms) and "numpy" in ms, ms
+    from microtensor import _blas_choice
+    assert any(k.startswith("mt/oneMKL") for k in ms) == (_blas_choice.find_mkl() is not None)
+    assert all(v > 0 for v in ms.values())
+
+
+def test_bench_kernels_times_every_build_here():
+    out = run_script("bench_kernels.py", "--repeats", "1", "--min-time", "0", "--allow-busy",
+                     "--json")
+    rec = last_json(out)
+    from conftest import kernel_builds_here
+    names = {b[0] for b in kernel_builds_here()}
+    assert len(rec["ops"]) == 6
+    for op, med in rec["ops"].items():
+        assert set(med) == names and all(v > 0 for v in med.values()), op
+
+
 def test_bench_ops_fused_runs_and_agrees_with_torch():
     out = run_script("bench_ops.py", "--only", "fused", "--models", "char", "--repeats", "1",
                      "--min-time", "0", "--threads", "1", "--json")

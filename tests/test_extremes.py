@@ -27,15 +27,16 @@ torch = pytest.importorskip("torch")
 TF = torch.nn.functional
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from conftest import kernel_builds_here  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _builds():
-    """The kernel builds to run: the one loaded (AVX2 + FMA where the CPU has them) and,
-    when that is not it, the baseline build (the same source, compiled twice)."""
-    from microtensor import _fused, _fused_attention
-    loaded = [("loaded", F._fused, F._attention)]
-    return loaded if F._fused is _fused else loaded + [("baseline", _fused, _fused_attention)]
+    """The kernel builds to run: the one loaded (the widest the CPU runs) first, then
+    every other build this CPU runs (the same source, compiled up to three times)."""
+    return [("loaded", F._fused, F._attention)] + [
+        b for b in kernel_builds_here() if b[1] is not F._fused]
 
 
 # dtype and kernel build: float32 with each build, float64 (libm's exp in both) once

@@ -29,6 +29,7 @@ LAYER_NAMES = {ENGINE: "engine", NN: "nn", MODELS: "models", EXAMPLES: "examples
 # (except private modules and the op modules, ops_*: those belong to the engine)
 MICROTENSOR = {
     "_core": ENGINE, "_blas": ENGINE, "_fused": ENGINE, "_fused_avx2": ENGINE,
+    "_fused_avx512": ENGINE, "_fused_attention_avx512": ENGINE, "_blas_choice": ENGINE,
     "_fused_attention": ENGINE, "_fused_attention_avx2": ENGINE, "_grads": ENGINE,
     "amp": ENGINE, "autograd": ENGINE, "backends": ENGINE, "cuda": ENGINE,
     "dialect": ENGINE, "distributed": ENGINE, "dtypes": ENGINE, "gradcheck": ENGINE,

@@ -1257,12 +1257,14 @@ def test_gemm_takes_read_only_operands():
     np.testing.assert_array_equal(v.grad.numpy(), 1)
 
 
-def test_baseline_and_avx2_builds_agree(monkeypatch):
-    # the kernels are compiled twice (baseline and AVX2+FMA, chosen at import): the build
-    # not chosen on this CPU runs here too, threaded, against the one that is
-    from microtensor import _fused, _fused_attention
-    if F._fused is _fused:
-        pytest.skip("this CPU runs the baseline build only (no AVX2+FMA)")
+def test_kernel_builds_agree_threaded(monkeypatch):
+    # the kernels are compiled three times (baseline, AVX2+FMA, AVX-512; the widest the
+    # CPU runs is chosen at import): every other build this CPU runs runs here too,
+    # threaded, against the one that is
+    from conftest import kernel_builds_here
+    others = [b for b in kernel_builds_here() if b[1] is not F._fused]
+    if not others:
+        pytest.skip("this CPU runs one build of the kernels only (no AVX2+FMA)")
     x = rng.standard_normal((300, 257)).astype(np.float32)
     w, b = rng.standard_normal(257).astype(np.float32), rng.standard_normal(257).astype(np.float32)
     t = rng.integers(0, 257, 300)
@@ -1287,11 +1289,15 @@ def test_baseline_and_avx2_builds_agree(monkeypatch):
     mt.set_num_threads(2)
     try:
         chosen = run_all()
-        monkeypatch.setattr(F, "_fused", _fused)
-        monkeypatch.setattr(F, "_attention", _fused_attention)
-        baseline = run_all()
+        results = []
+        for name, fused_build, attention_build in others:
+            monkeypatch.setattr(F, "_fused", fused_build)
+            monkeypatch.setattr(F, "_attention", attention_build)
+            results.append((name, run_all()))
     finally:
         mt.set_num_threads(before)
-    for k, ((a, _), (c, _)) in enumerate(zip(chosen, baseline)):
-        for i, (u, v) in enumerate(zip(a, c)):
-            np.testing.assert_allclose(u, v, rtol=2e-4, atol=2e-5, err_msg=f"program {k}, output {i}")
+    for name, other in results:
+        for k, ((a, _), (c, _)) in enumerate(zip(chosen, other)):
+            for i, (u, v) in enumerate(zip(a, c)):
+                np.testing.assert_allclose(u, v, rtol=2e-4, atol=2e-5,
+                                           err_msg=f"{name}: program {k}, output {i}")

@@ -15,28 +15,70 @@ from microtensor._core import Tensor
 declare_saved = _core.declare_saved
 
 
-def _cpu_has_avx2_fma():
-    """Does this CPU run the AVX2+FMA build of the kernels? (numpy already asked the CPU.)"""
+def _cpu_features():
+    """The CPU's features as numpy found them at its import ({} where it cannot say)."""
     try:
         from numpy._core._multiarray_umath import __cpu_features__ as features
     except ImportError:
         try:
             from numpy.core._multiarray_umath import __cpu_features__ as features
         except ImportError:
-            return False
-    return bool(features.get("AVX2")) and bool(features.get("FMA3"))
+            return {}
+    return features
+
+
+def _cpu_has_avx2_fma():
+    """Does this CPU run the AVX2+FMA build of the kernels?"""
+    f = _cpu_features()
+    return bool(f.get("AVX2")) and bool(f.get("FMA3"))
+
+
+def _cpu_has_avx512():
+    """Does this CPU run the AVX-512 build (F, BW, VL and DQ, with AVX2 and FMA)?"""
+    f = _cpu_features()
+    return _cpu_has_avx2_fma() and all(f.get(k) for k in ("AVX512F", "AVX512BW", "AVX512VL",
+                                                          "AVX512DQ"))
+
+
+# the builds of the fused kernels, widest first: (name, fused module, attention module,
+# does the CPU run it?)
+KERNEL_BUILDS = (
+    ("avx512", "_fused_avx512", "_fused_attention_avx512", _cpu_has_avx512),
+    ("avx2", "_fused_avx2", "_fused_attention_avx2", _cpu_has_avx2_fma),
+    ("baseline", "_fused", "_fused_attention", lambda: True),
+)
+
+
+def _kernel_request():
+    """MICROTENSOR_KERNELS: auto (the widest build the CPU runs), avx512, avx2 or
+    baseline (the widest the CPU runs, up to the one named)."""
+    import os
+    import warnings
+    request = os.environ.get("MICROTENSOR_KERNELS", "auto").strip().lower() or "auto"
+    names = [b[0] for b in KERNEL_BUILDS]
+    if request != "auto" and request not in names:
+        warnings.warn(f"MICROTENSOR_KERNELS={request!r} is not one of auto, "
+                      f"{', '.join(names)}; using auto", RuntimeWarning, stacklevel=3)
+        request = "auto"
+    return request
 
 
 def _load_kernels():
-    """The fused kernels: the AVX2+FMA build when the CPU has it, else the baseline build.
-    MICROTENSOR_KERNELS=baseline forces the baseline (to test or compare both)."""
-    import os
-    if os.environ.get("MICROTENSOR_KERNELS", "auto") != "baseline" and _cpu_has_avx2_fma():
+    """The fused kernels: the widest build the CPU runs (AVX-512, AVX2+FMA, baseline), or
+    no wider than MICROTENSOR_KERNELS names (to test or compare the builds)."""
+    import importlib
+    request = _kernel_request()
+    builds = list(KERNEL_BUILDS)
+    if request != "auto":
+        builds = builds[[b[0] for b in builds].index(request):]
+    for name, fused, attention, runs_here in builds:
+        if not runs_here():
+            continue
         try:
-            from microtensor import _fused_avx2, _fused_attention_avx2
-            return _fused_avx2, _fused_attention_avx2
-        except ImportError:
-            pass
+            return (importlib.import_module("microtensor." + fused),
+                    importlib.import_module("microtensor." + attention))
+        except ImportError:         # a build without this module (another platform)
+            continue
     from microtensor import _fused, _fused_attention
     return _fused, _fused_attention
 
