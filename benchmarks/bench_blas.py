@@ -57,7 +57,8 @@ def candidates():
     try:
         import scipy_openblas32
         found["scipy-openblas32 " + scipy_openblas32.__version__] = _cblas(
-            os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library() + ".so"),
+            os.path.join(scipy_openblas32.get_lib_dir(),
+                         "lib" + scipy_openblas32.get_library() + ".so"),
             "scipy_cblas_sgemm", "scipy_openblas_set_num_threads")
     except (ImportError, AttributeError):
         pass

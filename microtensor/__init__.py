@@ -38,6 +38,9 @@ def _explain_missing_core(error):
 # OpenMP's waiting policy, before the first extension loads the OpenMP runtime
 from microtensor import _omp_env
 _omp_env.apply_defaults()
+# glibc's malloc keeps freed memory for the next step (microtensor/_malloc.py says why)
+from microtensor import _malloc
+_malloc.apply()
 
 try:
     from microtensor import _core

@@ -81,6 +81,11 @@ def blas():
     return out
 
 
+def _malloc_state():
+    from microtensor import _malloc
+    return _malloc.state
+
+
 def gemm_blas():
     """The BLAS microtensor's gemm calls (chosen at import, microtensor/_blas_choice.py):
     name, version, path, request (MICROTENSOR_BLAS) and reason."""
@@ -106,6 +111,7 @@ def config():
         "build": kernel_build(),
         "blas": blas(),
         "gemm": gemm_blas(),
+        "malloc": dict(_malloc_state()),
         "threads": mt.get_num_threads(),
         "default_threads": default_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
@@ -117,6 +123,16 @@ def config():
 def _blas_line(lib):
     return (f"{lib['user']}'s OpenBLAS {lib['version'] or '?'}, {lib['corename']} kernel, "
             f"{lib['num_threads']} thread{'s' if lib['num_threads'] != 1 else ''}")
+
+
+def _malloc_line(m):
+    if not m:
+        return "?"
+    if m["tuned"]:
+        return (f"freed memory kept for reuse (glibc mmap threshold "
+                f"{m['mmap_threshold'] >> 20} MiB, trim threshold {m['trim_threshold'] >> 20} MiB;"
+                " MICROTENSOR_MALLOC=default leaves glibc's defaults)")
+    return f"allocator's defaults ({m['reason']})"
 
 
 def format_config(c):
@@ -152,6 +168,7 @@ def format_config(c):
         + (f"OMP_NUM_THREADS={c['OMP_NUM_THREADS']})" if c["OMP_NUM_THREADS"]
            else "the physical cores)"),
         f"  OpenMP waiting {wait}",
+        "  memory         " + _malloc_line(c.get("malloc")),
         f"  load average   {c['loadavg']}",
     ]
 

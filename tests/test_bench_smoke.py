@@ -71,6 +71,17 @@ def test_bench_kernels_times_every_build_here():
         assert set(med) == names and all(v > 0 for v in med.values()), op
 
 
+def test_bench_malloc_runs_both_settings():
+    from microtensor import _malloc
+    if _malloc._glibc() is None:
+        pytest.skip("glibc's mallopt: Linux with glibc only")
+    out = run_script("bench_malloc.py", "--config", "tiny", "--steps", "2", "--rounds", "1",
+                     "--allow-busy", "--json")
+    rec = last_json(out)["configs"]["tiny"]
+    assert set(rec) == {"glibc default", "microtensor"}
+    assert all(v["ms_per_step"] > 0 for v in rec.values())
+
+
 def test_bench_ops_fused_runs_and_agrees_with_torch():
     out = run_script("bench_ops.py", "--only", "fused", "--models", "char", "--repeats", "1",
                      "--min-time", "0", "--threads", "1", "--json")
