@@ -6,9 +6,11 @@ Why not numpy's `@`? numpy's OpenBLAS runs its own thread pool, and microtensor'
 kernels run OpenMP's. On a 2-core machine the two pools take turns spinning on the
 same cores, and a small model's step got 10-100x slower with 2 threads than with 1.
 So every matmul of the engine goes through here instead: one thread pool (OpenMP),
-each thread calling a single-threaded gemm of scipy's BLAS (cython_blas, callable
-without the GIL) on its own block of output rows. scipy's OpenBLAS is a separate
-library from numpy's: pinning it to one thread leaves numpy's `@` untouched.
+each thread calling a single-threaded gemm on its own block of output rows. Which
+library's gemm is chosen once, at import (microtensor/_blas_choice.py): oneMKL's
+sequential layer on an Intel CPU when the `mkl` wheel is there, else scipy's OpenBLAS
+through cython_blas (callable without the GIL), pinned to one thread. Both are separate
+libraries from numpy's: numpy's `@` is left untouched.
 
 Row-major arrays meet column-major BLAS through one identity: a row-major (r, c)
 array is, read column-major, its transpose (c, r). So row-major C = A @ B is computed

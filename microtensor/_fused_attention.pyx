@@ -37,8 +37,8 @@ sequence needs one row of scores per thread, not `block` rows).
 Dropout on P (dropout_p > 0) draws its keep/drop decisions from a counter-based hash of
 (seed, bh, i, j), so backward regenerates the same mask without storing it.
 
-BLAS: scipy's Fortran gemm (cython_blas, callable without the GIL) does the matrix
-products. Fortran is column-major; a row-major matrix is its transpose there, so
+BLAS: a Fortran gemm (the one microtensor._blas chose at import: oneMKL on Intel, else
+scipy's cython_blas; callable without the GIL) does the matrix products. Fortran is column-major; a row-major matrix is its transpose there, so
 `gemm` (microtensor/_common.pxd, shared with _blas.pyx) asks for C^T = op(B)^T op(A)^T:
 swap the operands, keep the flags.
 """
@@ -122,15 +122,13 @@ cdef inline void _scores_block(real* S, const real* qb, const real* kb, const re
                 row[j] = -INFINITY
 
 
-cdef inline double _abs_max(const real* x, Py_ssize_t n) noexcept nogil:
-    """max |x[0:n]|, or +inf when some element is NaN or infinite."""
-    cdef real m = 0, a, s = 0
-    cdef Py_ssize_t j
-    for j in range(n):
-        a = x[j] if x[j] >= 0 else -x[j]
-        m = a if a > m else m
-        s = s + (x[j] - x[j])                             # 0, or NaN for a NaN / inf
-    return INFINITY if s != 0 else <double>m
+cdef inline double _abs_bound(const real* x, Py_ssize_t n) noexcept nogil:
+    """A bound on max |x[0:n]|: its 2-norm, sqrt(sum x^2) (row_dot's eight running sums,
+    which vectorise). NaN or inf when x holds one, or when the sum overflows: then the
+    caller takes the general path, which is only slower. (A running max and a running sum
+    of x - x, the exact test, are chains of dependent scalar operations that no compiler
+    may reorder without fast-math: they were a fifth of the forward at T = 64.)"""
+    return sqrt(row_dot(x, x, n))
 
 
 cdef inline bint _causal_needs_full(const real* q, Py_ssize_t nq, const real* k, Py_ssize_t nk,
@@ -143,13 +141,13 @@ cdef inline bint _causal_needs_full(const real* q, Py_ssize_t nq, const real* k,
     Then every key is computed, as torch does (see top)."""
     cdef double limit = 0.25 * (FLT_MAX if real is float else DBL_MAX)
     cdef double sc = scale if scale >= 0 else -scale
-    cdef double mv = _abs_max(v, nv), md
-    if not (_abs_max(q, nq) * _abs_max(k, nk) * hs * (sc if sc > 1 else 1.0) < limit):
+    cdef double mv = _abs_bound(v, nv), md
+    if not (_abs_bound(q, nq) * _abs_bound(k, nk) * hs * (sc if sc > 1 else 1.0) < limit):
         return True
     if not (mv < limit):
         return True
     if dout != NULL:
-        md = _abs_max(dout, nd)
+        md = _abs_bound(dout, nd)
         if not (md < limit and md * mv * hv < limit):
             return True
     return False
