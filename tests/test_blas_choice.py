@@ -11,7 +11,8 @@ import pytest
 
 from microtensor import _blas, _blas_choice
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the microtensor this process imported (a build in place, or an installed one)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(_blas_choice.__file__)))
 # the `mkl` wheel is a dependency on Linux x86-64 (pyproject.toml): there it must be found
 MKL_EXPECTED = sys.platform == "linux" and platform.machine() == "x86_64"
 
@@ -52,7 +53,7 @@ print(json.dumps({"choice": _blas.blas_choice(), "errors": errors,
 
 
 def probe(blas):
-    env = dict(os.environ, MICROTENSOR_BLAS=blas, PYTHONPATH=ROOT)
+    env = dict(os.environ, MICROTENSOR_BLAS=blas, PYTHONPATH=PACKAGE_ROOT)
     run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -10,7 +10,8 @@ import pytest
 
 from microtensor import _malloc
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the microtensor this process imported (a build in place, or an installed one)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(_malloc.__file__)))
 GLIBC = _malloc._glibc() is not None
 
 # A linear layer's forward and backward in a loop (the arrays of a training step: 1.5 MB
@@ -42,7 +43,7 @@ print(json.dumps({"faults": faults, "state": _malloc.state}))
 
 def probe(**env):
     full = {k: v for k, v in os.environ.items() if k not in _malloc.USER_VARIABLES}
-    full.update(env, PYTHONPATH=ROOT)
+    full.update(env, PYTHONPATH=PACKAGE_ROOT)
     run = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
