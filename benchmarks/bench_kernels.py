@@ -8,7 +8,6 @@ same Python path, only the compiled kernels differ.
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/bench_kernels.py
 """
 import argparse
-import importlib
 import os
 import sys
 
@@ -56,18 +55,11 @@ def main(argv=None):
     C.check_quiet(args.allow_busy, "bench_kernels.py")
     import microtensor as mt
     from microtensor.nn import functional as F
-    from microtensor.nn._functional_common import KERNEL_BUILDS
+    from microtensor.nn._functional_common import kernel_builds_here
     C.setup_threads(1, None)
     info = C.machine_info(1, None)
     C.print_machine(info)
-    builds = {}
-    for name, fused, attention, runs_here in KERNEL_BUILDS:
-        if runs_here():
-            try:
-                builds[name] = (importlib.import_module("microtensor." + fused),
-                                importlib.import_module("microtensor." + attention))
-            except ImportError:
-                pass
+    builds = {name: (fused, attention) for name, fused, attention in kernel_builds_here()}
     cfg = C.CONFIGS[args.config]
     ops = cases(mt, F, cfg["batch_size"] * cfg["block_size"], cfg["n_embd"], args.vocab,
                 cfg["n_head"], cfg["block_size"])

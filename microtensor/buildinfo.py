@@ -35,15 +35,9 @@ def cpu_model():
 
 def cpu_vendor():
     """'Intel', 'AMD', or the vendor string /proc/cpuinfo gives (else 'unknown')."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    vendor = line.split(":", 1)[1].strip()
-                    return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor)
-    except OSError:
-        pass
-    return "unknown"
+    from microtensor._blas_choice import _cpu_vendor
+    vendor = _cpu_vendor()
+    return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor)
 
 
 def kernel_build():

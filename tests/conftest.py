@@ -39,15 +39,5 @@ def one_thread():
 def kernel_builds_here():
     """[(name, fused module, attention module)] for every build of the fused kernels this
     CPU runs (baseline always; AVX2+FMA and AVX-512 where the CPU has them), widest first."""
-    import importlib
-    from microtensor.nn._functional_common import KERNEL_BUILDS
-    out = []
-    for name, fused, attention, runs_here in KERNEL_BUILDS:
-        if not runs_here():
-            continue
-        try:
-            out.append((name, importlib.import_module("microtensor." + fused),
-                        importlib.import_module("microtensor." + attention)))
-        except ImportError:
-            continue
-    return out
+    from microtensor.nn._functional_common import kernel_builds_here as builds
+    return builds()

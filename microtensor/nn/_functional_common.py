@@ -63,22 +63,37 @@ def _kernel_request():
     return request
 
 
+def _import_build(fused, attention):
+    """(fused module, attention module) of one build, or None where this installation
+    lacks it (another platform)."""
+    import importlib
+    try:
+        return (importlib.import_module("microtensor." + fused),
+                importlib.import_module("microtensor." + attention))
+    except ImportError:
+        return None
+
+
+def kernel_builds_here():
+    """[(name, fused module, attention module)] for every build of the kernels this CPU
+    runs and this installation has, widest first (the tests and
+    benchmarks/bench_kernels.py compare them)."""
+    found = [(name, _import_build(fused, attention))
+             for name, fused, attention, runs_here in KERNEL_BUILDS if runs_here()]
+    return [(name, pair[0], pair[1]) for name, pair in found if pair is not None]
+
+
 def _load_kernels():
     """The fused kernels: the widest build the CPU runs (AVX-512, AVX2+FMA, baseline), or
-    no wider than MICROTENSOR_KERNELS names (to test or compare the builds)."""
-    import importlib
+    no wider than MICROTENSOR_KERNELS names (to test or compare the builds). Only the
+    chosen build is imported."""
     request = _kernel_request()
-    builds = list(KERNEL_BUILDS)
-    if request != "auto":
-        builds = builds[[b[0] for b in builds].index(request):]
+    names = [b[0] for b in KERNEL_BUILDS]
+    builds = KERNEL_BUILDS if request == "auto" else KERNEL_BUILDS[names.index(request):]
     for name, fused, attention, runs_here in builds:
-        if not runs_here():
-            continue
-        try:
-            return (importlib.import_module("microtensor." + fused),
-                    importlib.import_module("microtensor." + attention))
-        except ImportError:         # a build without this module (another platform)
-            continue
+        pair = runs_here() and _import_build(fused, attention)
+        if pair:
+            return pair
     from microtensor import _fused, _fused_attention
     return _fused, _fused_attention
 
