@@ -262,12 +262,16 @@ def check(functions, seed=0, stop=True):
             e.where = where(e, fn)
             manual[name] = e
             continue
-        if value is None:
-            notes[name] = f"{fname} returned None"
-            continue
-        grads[name] = np.asarray(value, dtype=np.float64) if not isinstance(value, np.ndarray) \
-            else value
-        manual[name] = grads[name]
+        if value is None:            # a forgotten `return`: one ERROR line
+            value = ValueError(f"{fname} returned None; it needs to return a float64 numpy "
+                               f"array of shape {tuple(tensors[name].shape)}")
+        manual[name] = value         # the checker judges the answer as it came back
+        try:                         # what the later functions read: a real float array
+            array = np.asarray(value)
+            if array.dtype.kind in "biuf":
+                grads[name] = array if array.dtype.kind == "f" else array.astype(np.float64)
+        except Exception:
+            pass
     report = mti.compare_grads(tensors, manual, stop=stop)
     for line in report.lines:
         if line.status == "missing" and line.name in notes:

@@ -375,6 +375,181 @@ def test_a_bad_file_is_a_one_line_error(tmp_path, content, fragment):
     assert fragment in lines[0]
 
 
+# ---- answers the checker cannot compare, dtypes, NaN, broadcast shapes ----------------------
+
+def one(engine, mine, **kw):
+    """The line of one gradient checked on its own (the engine's gradient given directly)."""
+    report = mti.compare_grads({"g": engine}, {"g": mine}, **kw)
+    return report["g"], str(report)
+
+
+class Strange:
+    pass
+
+
+MALFORMED = [
+    ("ragged list", [[1.0, 2.0, 3.0, 4.0, 5.0], [1.0]], "list"),
+    ("ragged nested arrays", [np.zeros(5), np.zeros(3)], "list"),
+    ("string", "dL/dh", "str"),
+    ("bytes", b"\x00\x01", "bytes"),
+    ("None inside a list", [None, 1.0, 2.0, 3.0, 4.0], "list"),
+    ("a dict", {"g": np.zeros(5)}, "dict"),
+    ("a set", {1.0, 2.0}, "set"),
+    ("an object", Strange(), "Strange"),
+    ("strings in an array", np.array(["a"] * 5), "<U1"),
+    ("a function", lambda: 0, "function"),
+]
+
+
+@pytest.mark.parametrize("what, answer, kind", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_an_answer_numpy_cannot_compare_is_one_error_line(what, answer, kind):
+    engine = np.arange(5.0)
+    line, text = one(engine, answer)
+    assert line.status == "error" and not line.good
+    assert kind in line.message and "float64 numpy array of shape (5,)" in line.message
+    error_lines = [ln for ln in text.splitlines() if "ERROR" in ln]
+    assert len(error_lines) == 1 and error_lines[0].startswith("g ")
+    assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("imag", [0.0, 1e-3, 2.0])
+def test_a_complex_answer_is_an_error_not_its_real_part(imag):
+    engine = np.linspace(-1, 1, 6).reshape(2, 3)
+    line, text = one(engine, engine + 1j * imag)
+    assert line.status == "error" and "complex" in line.message
+    assert "float64 numpy array of shape (2, 3)" in line.message
+    # a tensor or a list of complex numbers: the same
+    assert one(engine, (engine + 1j * imag).tolist())[0].status == "error"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.int32, np.bool_])
+def test_a_dtype_below_the_engines_is_named(dtype):
+    rng = np.random.default_rng(1)
+    engine = rng.standard_normal((3, 4)) if np.dtype(dtype).kind == "f" \
+        else rng.integers(0, 2, (3, 4)).astype(np.float64)
+    line, text = one(engine, engine.astype(dtype))
+    assert line.status == "wrong dtype" and not line.good, text
+    assert f"{np.dtype(dtype)}, expected float64" in text
+    # as a microtensor tensor too
+    if np.dtype(dtype).kind == "f":
+        line, text = one(engine, mt.from_numpy(engine.astype(dtype)))
+        assert f"{np.dtype(dtype)}, expected float64" in text
+
+
+def test_float32_equal_when_printed_says_float32():
+    engine = np.array([0.1, 1 / 3, 2 / 3, np.pi])
+    mine = engine.astype(np.float32)
+    line, text = one(engine, mine)
+    assert f"{float(mine[1]):.6g}" == f"{engine[1]:.6g}"          # equal when printed
+    assert "WRONG DTYPE float32, expected float64" in text
+    # a float32 answer that is wrong as well: both said
+    line, text = one(engine, (engine * 2).astype(np.float32))
+    assert line.status == "wrong" and "float32, expected float64" in text
+
+
+@pytest.mark.parametrize("engine_dtype", [np.float32, np.float64])
+def test_an_answer_at_least_as_precise_as_the_engine_is_fine(engine_dtype):
+    engine = np.linspace(-2, 2, 7).astype(engine_dtype)
+    assert one(engine, engine.astype(np.float64))[0].status == "exact"
+    assert one(engine, engine.astype(np.float64).tolist())[0].status == "exact"
+
+
+@pytest.mark.parametrize("where", [[0], [2, 5], [0, 1, 2, 3, 4, 5, 6, 7]])
+def test_nan_in_the_same_places_is_a_match(where):
+    engine = np.linspace(1, 2, 8)
+    engine[where] = np.nan
+    engine_inf = engine.copy()
+    engine_inf[-1] = -np.inf if 7 not in where else np.nan
+    assert one(engine, engine.copy())[0].status == "exact"
+    assert one(engine_inf, engine_inf.copy())[0].status == "exact"
+    close = engine * (1 + 1e-12)
+    assert one(engine, close)[0].status in ("exact", "close")
+    if len(where) < 8:
+        # NaN where the engine has a number, or a number where it has NaN: wrong
+        other = engine.copy()
+        other[[i for i in range(8) if i not in where][0]] = np.nan
+        line, _ = one(engine, other)
+        assert line.status == "wrong" and "NaN" in line.message
+        filled = np.nan_to_num(engine, nan=1.0)
+        assert one(engine, filled)[0].status == "wrong"
+
+
+BROADCASTS = [
+    # engine shape, the answer's (un-summed) shape, axes named, the sum's code
+    ((5,), (4, 5), ["axis 0 (the batch axis"], "g.sum(axis=0)"),
+    ((8, 16), (4, 8, 16), ["axis 0 (the batch axis"], "g.sum(axis=0)"),
+    ((16,), (4, 8, 16), ["axis 0 (the batch axis", "axis 1 (added"], "g.sum(axis=(0, 1))"),
+    ((4, 1, 16), (4, 8, 16), ["axis 1 (size 1"], "g.sum(axis=1, keepdims=True)"),
+    ((1, 5), (3, 4, 5), ["axis 0", "axis 1 (size 1"],
+     "g.sum(axis=(0, 1), keepdims=True).reshape((1, 5))"),
+    ((2, 1, 1), (2, 3, 4), ["axis 1 (size 1", "axis 2 (size 1"],
+     "g.sum(axis=(1, 2), keepdims=True)"),
+]
+
+
+@pytest.mark.parametrize("shape, mine_shape, words, code", BROADCASTS,
+                         ids=[f"{b[0]}<-{b[1]}" for b in BROADCASTS])
+def test_wrong_shape_from_a_missing_sum_names_the_axes(shape, mine_shape, words, code):
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(mine_shape)         # the gradient of the broadcast result
+    engine = g.sum(axis=tuple(range(len(mine_shape) - len(shape))))
+    engine = engine.sum(axis=tuple(i for i, n in enumerate(shape) if n == 1),
+                        keepdims=True).reshape(shape)
+    line, text = one(engine, g)
+    assert line.status == "wrong shape"
+    assert f"yours {mine_shape}, engine {shape}" in text
+    for word in words:
+        assert word in line.message, line.message
+    assert code in line.message
+    # the code the line prints is the fix
+    fixed = eval(code, {"g": g})
+    assert one(engine, fixed)[0].status in ("exact", "close")
+
+
+@pytest.mark.parametrize("shape, mine_shape", [((3, 5), (5, 3)), ((4, 5), (2, 10)),
+                                               ((5,), (6,)), ((4, 5), (4,))])
+def test_wrong_shape_that_no_sum_explains_names_no_sum(shape, mine_shape):
+    line, text = one(np.ones(shape), np.ones(mine_shape))
+    assert line.status == "wrong shape" and "sum over" not in text
+
+
+def test_the_exercise_names_the_batch_sum_of_the_position_embeddings():
+    report, _ = exercise.check(solution_functions(d_pos_emb=_pos_emb_no_sum))
+    line = report["pos_emb"]
+    assert line.status == "wrong shape" and "sum over axis 0 (the batch axis" in line.message
+    assert "g.sum(axis=0)" in str(report)
+
+
+ODD_RETURNS = [
+    ("ragged", lambda f, d, p: [[0.0] * 3, [0.0]], "list"),
+    ("string", lambda f, d, p: "todo", "str"),
+    ("None", lambda f, d, p: None, "returned None"),
+    ("object", lambda f, d, p: Strange(), "Strange"),
+    ("complex", lambda f, d, p: solution.d_logprobs(f, d, p) + 0j, "complex"),
+    ("float32", lambda f, d, p: solution.d_logprobs(f, d, p).astype(np.float32),
+     "float32, expected float64"),
+]
+
+
+@pytest.mark.parametrize("what, fn, fragment", ODD_RETURNS, ids=[r[0] for r in ODD_RETURNS])
+def test_the_exercise_reports_an_odd_return_on_one_line(what, fn, fragment):
+    report, _ = exercise.check(solution_functions(d_logprobs=fn))
+    assert report.first_wrong == "logprobs", str(report)
+    assert fragment in report["logprobs"].text(10)
+    assert "(4, 8, " in str(report) or what == "float32"
+
+
+def test_the_script_reports_a_ragged_answer_without_a_traceback(tmp_path):
+    mine = tmp_path / "mine.py"
+    mine.write_text(open(exercise.SOLUTION).read() + "\n\ndef d_logprobs(f, d, p):\n"
+                    "    return [[1.0, 2.0], [3.0]]\n")
+    result = run("--mine", str(mine))
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [ln for ln in result.stdout.splitlines() if "ERROR" in ln]
+    assert len(lines) == 1 and lines[0].startswith("logprobs") and "list" in lines[0]
+
+
 # ---- watching the backward pass (graph.py --animate) ---------------------------------------
 
 import graph as graph_example   # noqa: E402

@@ -11,8 +11,12 @@ tensor, in the order backward computes them.
 
 Each line says `exact` (every element equal), `close` (the largest error relative to the
 largest gradient element, within `rtol`), `WRONG` (the largest absolute error and the
-index where it sits, both values there), `WRONG SHAPE` (both shapes), `ERROR` (computing
-it raised), or `missing` (no gradient given). The report stops at the first wrong one:
+index where it sits, both values there), `WRONG SHAPE` (both shapes, and the sum over
+the axes the forward broadcast when the answer has the broadcast shape), `WRONG DTYPE`
+(an answer in float32, an integer or a bool type where the engine's gradient is float64),
+`ERROR` (computing it raised, or the answer is no array of real numbers: a ragged list, a
+string, a complex array, an object; the line names the type it needs), or `missing` (no
+gradient given). NaN where the engine's gradient has NaN counts as equal. The report stops at the first wrong one:
 what comes after it was computed from it. There it names the ops that turned the
 gradients below it into this one, each with the math line of its backward rule (the
 first line of the Node class's docstring), and the later tensors that inherit the error.
@@ -51,8 +55,8 @@ def retain_grads(tensors):
 
 @dataclass
 class GradLine:
-    """The check of one tensor. status: exact / close / wrong / wrong shape / error /
-    missing; the numbers that say how close or how wrong."""
+    """The check of one tensor. status: exact / close / wrong / wrong shape / wrong dtype
+    / error / missing; the numbers that say how close or how wrong."""
     name: str
     status: str
     shape: tuple
@@ -80,7 +84,10 @@ class GradLine:
                     f"{self.mine_value:.6g}, engine {self.engine_value:.6g}"
                     + (f" ({self.message})" if self.message else ""))
         if self.status == "wrong shape":
-            return f"{head}WRONG SHAPE yours {self.mine_shape}, engine {self.shape}"
+            return (f"{head}WRONG SHAPE yours {self.mine_shape}, engine {self.shape}"
+                    + (f": {self.message}" if self.message else ""))
+        if self.status == "wrong dtype":
+            return f"{head}WRONG DTYPE {self.message}"
         if self.status == "error":
             return f"{head}ERROR      {self.message}"
         return f"{head}missing" + (f"    {self.message}" if self.message else "")
@@ -226,6 +233,81 @@ def _hint(t, consumers, names_by_key):
     return hint, sources
 
 
+def _what(value):
+    """A learner's answer in a few words: its type, and a glimpse of a short one."""
+    kind = type(value).__name__
+    a = "an" if kind[:1].lower() in "aeiou" else "a"
+    if isinstance(value, (str, bytes)):
+        return f"{a} {kind} ({value[:20]!r}{'...' if len(value) > 20 else ''})"
+    if isinstance(value, (list, tuple)):
+        return f"{a} {kind} of {len(value)} items numpy cannot make one array of numbers " \
+               "from (ragged, or not numbers)"
+    if isinstance(value, np.ndarray):
+        return f"a numpy array of dtype {value.dtype}"
+    return f"{a} {kind}"
+
+
+def _needs(engine):
+    return f"a {engine.dtype} numpy array of shape {tuple(engine.shape)}"
+
+
+def _as_array(mine, engine):
+    """(array, None) or (None, the ERROR message) for an answer: a tensor, an array, a
+    number, a nested list; anything else is named with the type it needs."""
+    if isinstance(mine, Tensor):
+        mine = mine.detach().numpy()
+    try:
+        array = np.asarray(mine)
+    except Exception:            # a ragged list, a torch tensor that requires grad, ...
+        return None, f"yours is {_what(mine)}; it needs to be {_needs(engine)}"
+    if array.dtype.kind == "c" and engine.dtype.kind != "c":
+        return None, (f"yours is complex ({array.dtype}); the gradient of a real tensor is "
+                      f"real: it needs to be {_needs(engine)}")
+    if array.dtype.kind not in "biuf" + ("c" if engine.dtype.kind == "c" else ""):
+        return None, f"yours is {_what(mine)}; it needs to be {_needs(engine)}"
+    return array, None
+
+
+def _broadcast_hint(mine_shape, shape):
+    """On WRONG SHAPE: the sum that turns a gradient of the broadcast shape into the
+    tensor's, when the answer's shape is the tensor's broadcast (axes not summed)."""
+    if len(mine_shape) < len(shape):
+        if len(mine_shape) == 2 and tuple(mine_shape) == tuple(shape)[::-1]:
+            return "transposed?"
+        return ""
+    try:
+        if np.broadcast_shapes(shape, mine_shape) != tuple(mine_shape):
+            raise ValueError
+    except ValueError:
+        if len(mine_shape) == len(shape) == 2 and tuple(mine_shape) == tuple(shape)[::-1]:
+            return "transposed?"
+        if int(np.prod(mine_shape)) == int(np.prod(shape)) and \
+                [n for n in mine_shape if n != 1] == [n for n in shape if n != 1]:
+            return f"the same numbers with axes of size 1 dropped or added: reshape to {shape}"
+        return ""
+    lead = len(mine_shape) - len(shape)
+    added = list(range(lead))
+    ones = [lead + i for i, n in enumerate(shape) if n == 1 and mine_shape[lead + i] != 1]
+    if not added and not ones:
+        return ""
+    words = []
+    for axis in added:
+        words.append(f"axis {axis} (the batch axis broadcast in the forward)" if axis == 0
+                     else f"axis {axis} (added by broadcasting in the forward)")
+    for axis in ones:
+        words.append(f"axis {axis} (size 1 in the tensor, broadcast to "
+                     f"{mine_shape[axis]} in the forward)")
+    axes = added + ones
+    spelled = str(axes[0]) if len(axes) == 1 else str(tuple(axes))
+    if not ones:
+        code = f"g.sum(axis={spelled})"
+    elif not added:
+        code = f"g.sum(axis={spelled}, keepdims=True)"
+    else:
+        code = f"g.sum(axis={spelled}, keepdims=True).reshape({shape})"
+    return "sum over " + " and ".join(words) + ": " + code
+
+
 def _check(name, engine, mine, rtol, atol):
     engine = np.asarray(engine._data if isinstance(engine, Tensor) else engine)
     shape = tuple(engine.shape)
@@ -235,35 +317,61 @@ def _check(name, engine, mine, rtol, atol):
         where = getattr(mine, "where", "")
         return GradLine(name, "error", shape, message=f"{type(mine).__name__}: {mine}"
                                                       + (f" ({where})" if where else ""))
-    if isinstance(mine, Tensor):
-        mine = mine.detach().numpy()
-    try:
-        mine = np.asarray(mine, dtype=np.float64)
-    except (TypeError, ValueError):
-        return GradLine(name, "error", shape,
-                        message=f"not an array of numbers ({type(mine).__name__})")
+    mine, problem = _as_array(mine, engine)
+    if problem:
+        return GradLine(name, "error", shape, message=problem)
+    dtype = mine.dtype
     if mine.shape != shape:
         if mine.size == 1 and engine.size == 1:
             mine = mine.reshape(shape)
         else:
-            return GradLine(name, "wrong shape", shape, mine_shape=tuple(mine.shape))
-    ref = engine.astype(np.float64)
-    if np.array_equal(mine, ref):
+            return GradLine(name, "wrong shape", shape, mine_shape=tuple(mine.shape),
+                            message=_broadcast_hint(tuple(mine.shape), shape))
+    # the dtype the gradient needs: the engine's, or one that holds it exactly (a float64
+    # answer to a float32 gradient is fine; float32, an integer or a bool is flagged)
+    low = dtype.kind not in "fc" or np.promote_types(dtype, engine.dtype) != dtype
+    wide = np.complex128 if engine.dtype.kind == "c" else np.float64
+    mine = mine.astype(wide)
+    ref = engine.astype(wide)
+    nan_mine, nan_ref = np.isnan(mine), np.isnan(ref)
+    same = (mine == ref) | (nan_mine & nan_ref)       # NaN where the engine has NaN: equal
+    if same.all():
+        if low:
+            return GradLine(name, "wrong dtype", shape, max_rel=0.0, max_abs=0.0,
+                            message=f"{dtype}, expected {engine.dtype} (the values are equal)")
         return GradLine(name, "exact", shape, max_rel=0.0, max_abs=0.0)
-    diff = np.abs(mine - ref)
+    diff = np.where(same, 0.0, np.abs(mine - ref))
     diff = np.where(np.isnan(diff), np.inf, diff)
     max_abs = float(diff.max())
-    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    finite = np.abs(ref[np.isfinite(ref)])
+    scale = float(finite.max()) if finite.size else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf)
     if rtol is None:
         rtol = RTOL.get(engine.dtype, 1e-4)
-    if max_abs <= atol or max_rel <= rtol:
-        return GradLine(name, "close", shape, max_rel=max_rel, max_abs=max_abs)
     index = tuple(int(i) for i in np.unravel_index(int(np.argmax(diff)), shape)) if shape else ()
-    message = "yours holds NaN or Inf" if not np.isfinite(mine).all() else ""
+    if max_abs <= atol or max_rel <= rtol:
+        if low:
+            return GradLine(name, "wrong dtype", shape, max_rel=max_rel, max_abs=max_abs,
+                            message=f"{dtype}, expected {engine.dtype} (the values are "
+                                    f"close: max rel err {max_rel:.1e})")
+        return GradLine(name, "close", shape, max_rel=max_rel, max_abs=max_abs)
+    if low and dtype.kind == "f" and max_rel <= RTOL.get(np.dtype(dtype), 1e-2) * 10:
+        return GradLine(name, "wrong dtype", shape, max_rel=max_rel, max_abs=max_abs,
+                        index=index, message=f"{dtype}, expected {engine.dtype} (equal to "
+                        f"{dtype}'s rounding, max rel err {max_rel:.1e}: compute in "
+                        f"{engine.dtype})")
+    message = "yours holds NaN or Inf where the engine's does not" \
+        if not (np.isfinite(mine) | same).all() else ""
+    if low:
+        message = f"{dtype}, expected {engine.dtype}" + (f"; {message}" if message else "")
     return GradLine(name, "wrong", shape, max_rel=max_rel, max_abs=max_abs, index=index,
-                    mine_value=float(mine[index]), engine_value=float(ref[index]),
+                    mine_value=_real(mine[index]), engine_value=_real(ref[index]),
                     message=message)
+
+
+def _real(value):
+    value = complex(value)
+    return value.real if value.imag == 0 else value
 
 
 def _order(tensors, consumers, roots):
@@ -301,7 +409,9 @@ def compare_grads(named, manual, *, rtol=None, atol=0.0, stop=True, roots=None):
              {name: gradient} (a numpy array, or a tensor that does not require grad),
              the engine's gradients themselves, checked in the order given;
     manual   {name: gradient} as numpy arrays (or tensors, or numbers); a name that is
-             absent or None is `missing`; an exception instance is `error`;
+             absent or None is `missing`; an exception instance is `error`, and so
+             is an answer that is no array of real numbers (one line naming its type);
+             an answer of lower precision than the engine's gradient is `wrong dtype`;
     rtol     the largest error, relative to the largest element of the engine's
              gradient, still called `close` (None: 1e-9 for float64 gradients, 1e-4 for
              float32); atol an absolute floor (default 0);
