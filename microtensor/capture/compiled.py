@@ -35,6 +35,7 @@ The bookkeeping is bounded: at most max_plans plans (pending first calls include
 MAX_REASONS reasons kept, MAX_WARNINGS warnings per compiled function.
 """
 import functools
+import inspect
 import threading
 import types
 import warnings
@@ -42,12 +43,14 @@ import warnings
 from microtensor import _core
 from microtensor._core import Tensor
 from microtensor.capture import names as _names
+from microtensor.capture import guards as _guards
 from microtensor.capture.recorder import Recorder, current
 from microtensor.capture.plan import Plan, compare
 
 
 MAX_REASONS = 32       # eager reasons kept per compiled function (the oldest go first)
 MAX_WARNINGS = 8       # warnings per compiled function; then one saying the rest are off
+MAX_INTERRUPTED = 2    # recordings of a key interrupted by another thread's ops, then eager
 
 
 class CompiledFunction:
@@ -69,6 +72,8 @@ class CompiledFunction:
         self.warnings = 0
         self.calls = {"recorded": 0, "replayed": 0, "eager": 0}
         self.inlined = 0        # calls recorded into another compiled function's plan
+        self._interrupted = {}  # key -> recordings another thread's ops interrupted
+        self._always_eager = _never_replayable(fn)
         functools.update_wrapper(self, fn)
 
     # -- the call -------------------------------------------------------------------------
@@ -77,6 +82,11 @@ class CompiledFunction:
             # called while another compiled function records in this thread: its ops
             # are recorded into the outer plan
             self.inlined += 1
+            return self.fn(*args, **kwargs)
+        if self._always_eager is not None:
+            if not self._eager:
+                return self._run_eagerly(None, self._always_eager, args, kwargs)
+            self.calls["eager"] += 1
             return self.fn(*args, **kwargs)
         try:
             key = (_key(args), _key(tuple(sorted(kwargs.items()))), _core.is_grad_enabled())
@@ -100,15 +110,25 @@ class CompiledFunction:
     def _record(self, key, args, kwargs):
         recorder = Recorder()
         names = _names.snapshot(self.fn)
+        # the modules the call can reach, as they are before it runs (guards.py)
+        _guards.tree(_guards.roots_of(self.fn, args, kwargs, names), recorder.guards)
         inputs = [(path, recorder.new_slot(t)) for path, t in _tensors((args, kwargs))]
         with recorder:
             result = self.fn(*args, **kwargs)
+            result_template = recorder.result_template(result)
         self.calls["recorded"] += 1
-        result_template = recorder.template(result)
         recorder.final_grad_mode = _core.is_grad_enabled()
         with self._lock:
             if recorder.refused:
                 self._give_up(key, recorder.refused)
+                return result
+            if recorder.interrupted:
+                # not this call's own doing, perhaps: record the key again later, and
+                # run it eagerly when it keeps happening
+                self._pending.pop(key, None)
+                count = self._interrupted[key] = self._interrupted.get(key, 0) + 1
+                if count >= MAX_INTERRUPTED or len(self._interrupted) > MAX_REASONS:
+                    self._give_up(key, recorder.interrupted)
                 return result
             plan = Plan(recorder, inputs, result_template, arena=self.arena, names=names)
             first = self._pending.pop(key, None)
@@ -189,6 +209,32 @@ def compile(fn=None, *, max_plans=8, verbose=False, arena=True, **torch_options)
     return CompiledFunction(fn, max_plans=max_plans, verbose=verbose, arena=arena)
 
 
+def _never_replayable(fn):
+    """Why fn can never be replayed (a generator, coroutine or async generator function:
+    its call returns an object that runs the body later, once), or None. Such a
+    function runs eagerly, with one warning, as torch.compile runs it."""
+    target = fn
+    for _ in range(8):
+        if isinstance(target, functools.partial):
+            target = target.func
+        elif hasattr(target, "__wrapped__"):
+            target = target.__wrapped__
+        else:
+            break
+    target = getattr(target, "__func__", target)
+    if not inspect.isfunction(target) and not inspect.ismethod(target):
+        call = getattr(type(target), "__call__", None)
+        target = getattr(call, "__func__", call)
+    kinds = ((inspect.isgeneratorfunction, "a generator function"),
+             (inspect.iscoroutinefunction, "an async function (coroutine)"),
+             (inspect.isasyncgenfunction, "an async generator function"))
+    for test, what in kinds:
+        if target is not None and test(target):
+            return (f"{what} cannot be replayed (each call returns an object that runs the "
+                    "body later, once): it runs eagerly")
+    return None
+
+
 def _key(value):
     """A hashable key of an argument: tensors by shape, dtype and requires_grad."""
     if isinstance(value, Tensor):
@@ -200,7 +246,7 @@ def _key(value):
     if isinstance(value, types.GeneratorType):
         raise TypeError("a generator is used up by the call; pass a list")
     hash(value)
-    return (type(value), value)             # 2, 2.0 and True are three keys
+    return _guards.scalar_id(value)         # 2, 2.0, True are three keys; so are 0.0, -0.0
 
 
 def _tensors(value, path=()):

@@ -1,6 +1,7 @@
 """The Python names a compiled function reads: its closure's cells and the globals its
 code names. A plan is replayed only while each still holds what it held when the plan
-was recorded: a number, a string or a bool by type and value, anything else (a module,
+was recorded: a number, a string or a bool by type and value (the sign of a zero
+included: guards.py), anything else (a module,
 a tensor, a list) by identity. A counter the function keeps in `nonlocal n` or a global
 changes between its two recorded calls, so the key runs eagerly with a warning; a
 global rebound between calls (`model = GPT(...)` again) records a new plan.
@@ -10,7 +11,8 @@ names read by the functions it calls (only the compiled function's own code is r
 """
 import dis
 
-_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+from microtensor.capture.guards import same_scalar
+
 _MISSING = object()
 _GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"}
 _globals_of = {}      # code object -> the global names it reads or writes
@@ -59,9 +61,9 @@ def _read(where, name, container):
 
 
 def _same(a, b):
-    if a is b:
-        return True
-    return type(a) is type(b) and isinstance(a, _SCALARS) and a == b
+    """Scalars by type and value (-0.0 is not 0.0, 2 is not 2.0 nor True), everything
+    else by identity (guards.same_scalar)."""
+    return same_scalar(a, b)
 
 
 def names_hold(names):

@@ -13,6 +13,7 @@ from microtensor import _core
 from microtensor.capture.recorder import Slot, Seq, resolve, same_constant
 from microtensor.capture.memory import Memory
 from microtensor.capture.names import names_hold
+from microtensor.capture import guards as _guards
 from microtensor._core import Tensor
 
 _FLOP_LABELS = ("matmul", "F.linear", "F.scaled_dot_product_attention", "bmm", "mm")
@@ -38,17 +39,11 @@ class Plan:
         self.lock = threading.Lock()  # one replay at a time: another thread waits
 
     def holds(self):
-        """Whether the guards still hold: each Module's training flag, the identity of
-        each tensor in its _parameters and _buffers, and the Python names the function
-        reads (scalars by type and value, everything else by identity)."""
-        for instance, pairs, held in self.guards:
-            for attribute, value in pairs:
-                if getattr(instance, attribute) != value:
-                    return False
-            for store, name, tensor in held:
-                if store.get(name) is not tensor:
-                    return False
-        return names_hold(self.names)
+        """Whether the guards still hold: each Module's state (guards.py: its scalar
+        attributes, training included, and the identity of its parameters, buffers,
+        submodules and hooks), and the Python names the function reads (scalars by
+        type and value, everything else by identity)."""
+        return _guards.hold(self.guards) and names_hold(self.names)
 
     def replay(self, args, kwargs):
         with self.lock:
@@ -205,6 +200,12 @@ def _prod(shape):
 def compare(first, second):
     """None when two recordings did the same calls on the same arguments, else the
     first difference in words."""
+    if first.final_grad_mode != second.final_grad_mode:
+        return (f"the function left grad mode {first.final_grad_mode} on its first call and "
+                f"{second.final_grad_mode} on its second")
+    modules = _guards.changed(first.guards, second.guards)
+    if modules is not None:
+        return modules
     if len(first.records) != len(second.records):
         return (f"the function ran {len(first.records)} ops on its first call and "
                 f"{len(second.records)} on its second")

@@ -38,6 +38,7 @@ import types
 
 from microtensor import _core, _intercept
 from microtensor._core import Tensor
+from microtensor.capture import guards as _guards_mod
 
 # Tensor methods that read shapes or values and make no tensor: never recorded (a value
 # read reaches the capture hook instead)
@@ -60,6 +61,7 @@ _guards = []      # (class, attributes) from register_guard
 _lock = threading.RLock()
 _users = 0        # recordings on now, in every thread
 _undo = []        # what the shared wrapping replaced, for _uninstall
+_open = set()     # the Recorders on now, in every thread
 
 
 def current():
@@ -94,19 +96,38 @@ def record_call(label, fn, args):
 
 
 def register_guard(cls, *attributes):
-    """Instances of cls called during a recording are guarded: the replay checks that
-    their `attributes` (a Module's `training`) still hold the values they had, and that
-    the tensors in their `_parameters` and `_buffers` are still the same objects."""
+    """Instances of cls that a recording reaches or calls are guarded: the replay checks
+    that their state (guards.py: scalar attributes such as a Module's `training`, the
+    identity of the tensors in `_parameters` and `_buffers`, of the submodules in
+    `_modules`, of the hooks in every `*_hooks` dict) is what it was."""
     _guards.append((cls, attributes))
+    _guards_mod.register(cls, attributes)
 
 
 # -- the shared wrapping: installed by the first recording, removed by the last ----------
+def _foreign(what, mine=None):
+    """An op (or a tensor made, a value read) in a thread other than a recording's own,
+    while that recording is on: its result may reach the recorded function (a thread
+    the function started, a pool it handed work to), where the plan would replay it as
+    a constant. Every other thread's recording is interrupted (compiled.py records the
+    key again later, and runs it eagerly when it keeps happening)."""
+    thread = threading.current_thread().name
+    for recorder in list(_open):
+        if recorder is not mine and recorder.interrupted is None:
+            recorder.interrupted = (f"{what} ran in another thread ({thread}) while the call "
+                                    "was recorded: its result would be a constant of the plan")
+
+
 def _dispatch(label, fn):
     """The wrapper of one op: recorded by this thread's recorder, if it has one."""
     def recorded(*args, **kwargs):
         recorder = getattr(_recording, "recorder", None)
         if recorder is None:
+            if _open:
+                _foreign(label)
             return fn(*args, **kwargs)
+        if len(_open) > 1:
+            _foreign(label, recorder)
         return recorder.call(label, fn, args, kwargs)
     recorded.__name__ = getattr(fn, "__name__", label)
     recorded.__doc__ = getattr(fn, "__doc__", None)
@@ -117,26 +138,21 @@ def _dispatch(label, fn):
 def _guarded(call, attributes):
     def guarded(instance, *args, **kwargs):
         recorder = getattr(_recording, "recorder", None)
-        if recorder is not None and id(instance) not in recorder.guards:
-            recorder.guards[id(instance)] = _guard_of(instance, attributes)
+        if recorder is None:
+            if _open:
+                _foreign(f"{type(instance).__name__}.__call__")
+        elif id(instance) not in recorder.guards:
+            # a module the recording did not reach before the call: its tree, as now
+            _guards_mod.tree([instance], recorder.guards)
         return call(instance, *args, **kwargs)
     guarded.__wrapped__ = call
     return guarded
 
 
-def _guard_of(instance, attributes):
-    """(instance, ((attribute, value), ...), ((store, name, tensor), ...))."""
-    pairs = tuple((a, getattr(instance, a)) for a in attributes)
-    held = []
-    for store in ("_parameters", "_buffers"):
-        d = instance.__dict__.get(store)
-        if isinstance(d, dict):
-            held.extend((d, name, t) for name, t in d.items())
-    return instance, pairs, tuple(held)
-
-
 def _hook(tensor, what):
     recorder = getattr(_recording, "recorder", None)
+    if len(_open) > (recorder is not None):
+        _foreign(what, recorder)
     if recorder is not None:
         return recorder.seen(tensor, what)
     return None
@@ -212,9 +228,14 @@ def resolve(template, values):
         return values[template.index]
     if kind is Seq:
         items = [resolve(t, values) for t in template.items]
-        if template.kind is list:
+        kind = template.kind
+        if kind is list:
             return items
-        return slice(*items) if template.kind is slice else template.kind(items)
+        if kind is slice:
+            return slice(*items)
+        if kind is tuple or kind is dict:
+            return kind(items)
+        return kind(*items)                 # a namedtuple
     return template
 
 
@@ -251,6 +272,7 @@ class Recorder:
         self.kept = []
         self.guards = {}        # id(instance) -> (instance, ((attribute, value), ...))
         self.refused = None     # why this recording cannot be replayed, if it cannot
+        self.interrupted = None  # another thread's op ran meanwhile (_foreign), if one did
         self.depth = 0          # 0: in the function's own code; 1: in a recorded call
         self._backward_rows = None
 
@@ -284,6 +306,27 @@ class Recorder:
         if kind is dict and any(isinstance(v, Tensor) for v in value.values()):
             self.refuse("a dict of tensors passed to an op")
         return value
+
+    def result_template(self, value):
+        """The template of the function's return value: every tuple, list, dict and
+        namedtuple in it is built anew by each replay (the caller may change a list it
+        was given), and a value a replay cannot give again refuses the plan."""
+        kind = type(value)
+        if kind is list or kind is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+            return Seq(kind, [self.result_template(v) for v in value])
+        if kind is dict:
+            return Seq(dict, [Seq(tuple, [k, self.result_template(v)]) for k, v in value.items()])
+        if isinstance(value, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
+            self.refuse(f"the function returned a {kind.__name__} (used up by its caller: a "
+                        "replay cannot give it again)")
+        elif hasattr(kind, "__next__"):
+            self.refuse(f"the function returned an iterator ({kind.__name__}): a replay "
+                        "cannot give it again")
+        elif not isinstance(value, Tensor) and any(
+                isinstance(v, (Tensor, list, dict)) for v in getattr(value, "__dict__", {}).values()):
+            self.refuse(f"the function returned a {kind.__name__} holding tensors or "
+                        "containers: return a tuple, list, dict or namedtuple")
+        return self.template(value)
 
     def new_memory(self, args, outputs):
         """Bytes of the memory the outputs own that no argument or earlier output owns
@@ -320,6 +363,7 @@ class Recorder:
             if _users == 0:
                 _install()
             _users += 1
+            _open.add(self)
         _recording.recorder = self
         return self
 
@@ -327,6 +371,7 @@ class Recorder:
         global _users
         _recording.recorder = None
         with _lock:
+            _open.discard(self)
             _users -= 1
             if _users == 0:
                 _uninstall()
@@ -461,6 +506,8 @@ def same_constant(a, b):
         return len(a) == len(b) and all(same_constant(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same_constant(a[k], b[k]) for k in a)
+    if _guards_mod.is_scalar(a):
+        return _guards_mod.same_scalar(a, b)       # -0.0 is not 0.0
     try:
         return bool(a == b)
     except Exception:          # noqa: BLE001 - an incomparable value is not the same
