@@ -18,6 +18,8 @@ engine's per-node backward hook):
 - `BackwardTrace` / `backward_order` (visits.py): the order the engine visits the
   nodes, watched while backward runs or worked out from the graph; `GradientFlow`
   (flow.py) draws such a pass on its graph, step by step.
+- `explore` (explore.py): one training step's graph, values, gradients and backward
+  order in a self-contained HTML page to click through (`examples/explore.py`).
 
     import microtensor as mt
     from microtensor import inspect as mti
@@ -39,6 +41,7 @@ from microtensor.inspect.graph import (
 from microtensor.inspect.drawing import save_small_png
 from microtensor.inspect.visits import BackwardTrace, backward_order
 from microtensor.inspect.flow import GradientFlow
+from microtensor.inspect.explore import explore, Explorer
 from microtensor.inspect.compare import (
     compare_grads, GradReport, GradLine, retain_grads, math_line,
 )
@@ -46,4 +49,4 @@ from microtensor.inspect.compare import (
 __all__ = ["GradientRecorder", "GradRecord", "ResidualUnit", "track_modules", "ModuleCalls",
            "Graph", "build_graph", "to_dot", "render", "dot_available", "save_small_png",
            "BackwardTrace", "backward_order", "compare_grads", "GradReport", "GradLine",
-           "retain_grads", "math_line", "GradientFlow"]
+           "retain_grads", "math_line", "GradientFlow", "explore", "Explorer"]
