@@ -15,26 +15,36 @@
     y = Exp.apply(x)
 
 `forward` runs without recording a graph and receives the arguments as they were given;
-`backward` receives one gradient per output and returns one per argument (None for an
-argument that is not a tensor, or needs none). Under `create_graph=True` backward runs
-with grad mode on, so a backward written from tensor ops is differentiable again
-(gradgradcheck works through it); `@once_differentiable` marks one that is not.
+keyword arguments to `apply` bind to forward's parameters as a call would (a parameter
+that can be given by position is an input of the op, in its position, with the defaults
+of the parameters before it filled in; a keyword-only one reaches forward as a keyword
+and must not be a tensor that requires grad). `backward` receives one gradient per
+output (None for an output that is not a tensor) and returns one per positional input
+(None for an input that is not a tensor, or needs none). Under `create_graph=True`
+backward runs with grad mode on, so a backward written from tensor ops is differentiable
+again (gradgradcheck works through it); `@once_differentiable` marks one that is not.
+The torch 2 form, a forward without ctx plus `setup_context(ctx, inputs, output)`, works too.
 
-The context `ctx` is the graph node itself: `save_for_backward` / `saved_tensors` (with
-the version check: a saved tensor changed in place since forward makes `saved_tensors`
-raise), `needs_input_grad`, `mark_non_differentiable`, `set_materialize_grads`.
+`ctx` is the user's namespace: any attribute may be set on it (`ctx.fn`, `ctx.inputs`,
+`ctx.release`, ...). Its own names are torch's: `save_for_backward` / `saved_tensors`
+(read-only, with the version check: a saved tensor changed in place since forward makes
+`saved_tensors` raise), `needs_input_grad`, `mark_non_differentiable`,
+`set_materialize_grads`. The engine keeps its record of the call out of those names, in
+the graph node (`y.grad_fn`, which reads the ctx's attributes through).
 
-Several outputs: the differentiable ones are laid end to end in one flat buffer, which
-is the node's single output, and each output is a reshaped slice of it (ordinary
-differentiable ops). Backward gets the flat gradient and cuts it back into one per output
-(an output that received none gets zeros: gradients are always materialized).
+Several outputs: each differentiable output has a small node of its own in front of the
+Function's node, so backward knows which outputs received a gradient. One that received
+none, or a non-differentiable tensor output, gets zeros (None after
+`ctx.set_materialize_grads(False)`); an output that is not a tensor always gets None.
 """
 import functools
+import inspect as _inspect
 
 import numpy as np
 
 import microtensor._core as C
-from microtensor._core import Tensor, Node, wrap, needs_graph, attach, no_grad, enable_grad
+from microtensor._core import (Tensor, Node, SliceGrad, wrap, needs_graph, attach, no_grad,
+                               enable_grad)
 
 __all__ = ["Function", "FunctionCtx", "once_differentiable"]
 
@@ -43,61 +53,123 @@ def _describe(t):
     return f"[microtensor.{t.dtype} tensor {list(t.shape)}]"
 
 
-class FunctionCtx(Node):
-    """The graph node of one Function.apply call, and the `ctx` its forward and backward see."""
+class _Call:
+    """The engine's record of one Function.apply call (never one of the ctx's names)."""
+    __slots__ = ("cls", "args", "to_save", "saved", "saved_at", "freed", "non_diff",
+                 "materialize", "needs_input_grad", "outputs", "arrived")
 
-    saved_mask = 0        # the engine checks no input's version: saved_tensors checks its own
+    def __init__(self, cls, args):
+        self.cls = cls
+        self.args = tuple(a if isinstance(a, Tensor) else None for a in args)
+        self.to_save, self.saved, self.saved_at = (), None, ()
+        self.freed = False
+        self.non_diff = set()
+        self.materialize = True
+        # as torch: from requires_grad alone (also under no_grad)
+        self.needs_input_grad = tuple(a is not None and a.requires_grad for a in self.args)
+        self.outputs = []          # per forward output: (kind, shape, dtype)
+        self.arrived = set()       # outputs that received a gradient in this backward
+
+    def name(self):
+        return self.cls.__name__ + "Backward"
+
+
+class FunctionCtx:
+    """The `ctx` that a Function's forward and backward see: the user's namespace."""
+    __slots__ = ("__dict__", "__weakref__", "_engine_call")
 
     def save_for_backward(self, *tensors):
         for i, t in enumerate(tensors):
             if t is not None and not isinstance(t, Tensor):
                 raise TypeError(f"save_for_backward can only save variables, but argument {i} "
                                 f"is of type {type(t).__name__}")
-        self._to_save = tensors
+        _call(self).to_save = tensors
 
     @property
     def saved_tensors(self):
-        if self.freed and self._saved is None:
+        call = _call(self)
+        if call.freed:
             raise RuntimeError(
                 "Trying to backward through the graph a second time (or directly access saved "
                 "tensors after they have already been freed). Saved intermediate values of the "
                 "graph are freed when you call .backward() or autograd.grad(). Specify "
                 "retain_graph=True if you need to backward through the graph a second time or "
                 "if you need to access saved tensors after calling backward.")
-        if self._saved is None:                  # inside forward: what was passed, unchecked
-            return tuple(getattr(self, "_to_save", ()))
-        for t, version in zip(self._saved, self._saved_at):
+        if call.saved is None:                   # inside forward: what was passed, unchecked
+            return tuple(call.to_save)
+        for t, version in zip(call.saved, call.saved_at):
             if t is not None and t._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by "
-                    f"an inplace operation: {_describe(t)}, saved by {self.name()}, is at version "
+                    f"an inplace operation: {_describe(t)}, saved by {call.name()}, is at version "
                     f"{t._version}; expected version {version} instead.")
-        return self._saved
+        return call.saved
+
+    @property
+    def needs_input_grad(self):
+        return _call(self).needs_input_grad
+
+    @needs_input_grad.setter
+    def needs_input_grad(self, value):          # torch lets the user overwrite it
+        _call(self).needs_input_grad = value
 
     def mark_non_differentiable(self, *tensors):
-        self._non_differentiable = {id(t) for t in tensors}
+        _call(self).non_diff.update(id(t) for t in tensors)
 
     def set_materialize_grads(self, value):
-        # microtensor always hands backward a tensor for every output (zeros where none
-        # arrived), which is what torch does with the default value=True
-        self.materialize_grads = bool(value)
+        """False: an output that received no gradient reaches backward as None, not zeros."""
+        _call(self).materialize = bool(value)
 
     def mark_dirty(self, *tensors):
         raise NotImplementedError("mark_dirty (a Function that changes its inputs in place) is "
                                   "not supported: return a new tensor instead")
 
+    def __repr__(self):
+        return f"<FunctionCtx of {_call(self).cls.__name__}>"
+
+
+# the slot that holds the engine's record is taken out of the class, so that no attribute
+# name reaches it: `ctx._engine_call = ...` is an ordinary attribute of the user's
+_CALL_SLOT = FunctionCtx.__dict__["_engine_call"]
+del FunctionCtx._engine_call
+
+
+def _call(ctx):
+    return _CALL_SLOT.__get__(ctx, FunctionCtx)
+
+
+class _FunctionNode(Node):
+    """Shared by the two node kinds: reads the ctx's attributes through, as torch's grad_fn
+    (which is the ctx) does: `y.grad_fn.saved_tensors`, `y.grad_fn.my_attribute`."""
+    saved_mask = 0        # the engine checks no input's version: saved_tensors checks its own
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        ctx = self.__dict__.get("_ctx")
+        if ctx is None:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(ctx, name)
+
+
+class FunctionBackward(_FunctionNode):
+    """The graph node of one Function.apply call."""
+
+    def __init__(self, ctx, call):
+        self._ctx, self._call = ctx, call
+
     def name(self):
-        return self.fn.__name__ + "Backward"
+        return self._call.name()
 
     def release(self):
-        self._saved = None                       # what forward saved; the rest stays readable
+        self._call.saved = None                  # what forward saved; the rest stays readable
+        self._call.freed = True
 
     # ---- the two ways the engine runs it --------------------------------------------
 
     def backward(self, grad_output):
         """First order: numpy gradient in, numpy gradients out (grad mode is off)."""
-        grads = tuple(g if isinstance(g, Tensor) else wrap(np.asarray(g))
-                      for g in self._split(grad_output, np.asarray))
+        grads = self._split(grad_output, lambda g: wrap(np.asarray(g)))
         out = self._call_backward(grads)
         return tuple(None if g is None else g._data for g in out)
 
@@ -106,16 +178,20 @@ class FunctionCtx(Node):
         is built from differentiable ops (a function of the saved tensors and of g)."""
         def as_tensor(g):
             return g if isinstance(g, Tensor) else wrap(np.asarray(g))
-        return self._call_backward(tuple(self._split(as_tensor(grad_output), as_tensor)))
+        return self._call_backward(self._split(as_tensor(grad_output), as_tensor))
 
     def _split(self, g, convert):
         """The node's one gradient, cut into one per forward output."""
+        call = self._call
+        arrived, call.arrived = call.arrived, set()
         grads, flat = [], None
-        for kind, shape, dtype, offset in self._outputs:
-            if kind == "whole":
+        for i, (kind, shape, dtype, offset) in enumerate(call.outputs):
+            if kind == "value":
+                grads.append(None)
+            elif kind == "whole":
                 grads.append(convert(g))
-            elif kind == "none":
-                grads.append(wrap(np.zeros(shape, dtype=dtype)))
+            elif kind == "none" or i not in arrived:
+                grads.append(wrap(np.zeros(shape, dtype=dtype)) if call.materialize else None)
             else:
                 n = int(np.prod(shape, dtype=np.int64))
                 if isinstance(g, Tensor):
@@ -123,15 +199,15 @@ class FunctionCtx(Node):
                     piece = C.reshape(flat[offset:offset + n], shape)
                     grads.append(piece if piece.dtype == dtype else C._cast(piece, dtype))
                 else:
-                    grads.append(np.asarray(g).reshape(-1)[offset:offset + n]
-                                 .reshape(shape).astype(dtype, copy=False))
-        return grads
+                    grads.append(wrap(np.asarray(g).reshape(-1)[offset:offset + n]
+                                      .reshape(shape).astype(dtype, copy=False)))
+        return tuple(grads)
 
     def _call_backward(self, grads):
-        result = self.fn.backward(self, *grads)
+        result = self._call.cls.backward(self._ctx, *grads)
         if not isinstance(result, tuple):
             result = (result,)
-        args = self._args
+        args = self._call.args
         if len(result) != len(args):
             extra = result[len(args):]
             if len(result) < len(args) or any(g is not None for g in extra):
@@ -143,7 +219,7 @@ class FunctionCtx(Node):
             if g is None:
                 out.append(None)
                 continue
-            if not isinstance(a, Tensor):
+            if a is None:
                 raise RuntimeError(
                     f"function {self.name()} returned a gradient different than None at "
                     f"position {i + 1}, but the corresponding forward input was not a Variable")
@@ -170,6 +246,37 @@ class FunctionCtx(Node):
         return C.sum(g, axes, True) if axes else g
 
 
+class FunctionOutputBackward(_FunctionNode):
+    """One of several outputs: passes its gradient into its place in the Function node's
+    flat gradient, and notes that it received one."""
+
+    def __init__(self, main, index, offset, size, total, dtype):
+        self._ctx, self._main = main._ctx, main
+        self._index, self._offset, self._size = index, offset, size
+        self._total, self._dtype = total, dtype
+
+    def name(self):
+        return self._main.name()
+
+    def release(self):
+        pass                                     # holds nothing forward saved
+
+    def backward(self, grad_output):
+        self._main._call.arrived.add(self._index)
+        g = np.asarray(grad_output, dtype=self._dtype).reshape(-1)
+        key = slice(self._offset, self._offset + self._size)
+        return (SliceGrad(key, g, (self._total,), self._dtype),)
+
+    def create_graph(self, grad_output):
+        self._main._call.arrived.add(self._index)
+        g = C.reshape(grad_output, (-1,))
+        if g.dtype != self._dtype:
+            g = C._cast(g, self._dtype)
+        parts = [wrap(np.zeros(n, dtype=self._dtype))
+                 for n in (self._offset, self._total - self._offset - self._size)]
+        return (C.cat([parts[0], g, parts[1]], 0),)
+
+
 def once_differentiable(backward):
     """Marks a backward that is not itself differentiable (it leaves tensor ops, or its
     formula is only right to first order): it runs without recording a graph, and under
@@ -180,7 +287,8 @@ def once_differentiable(backward):
             result = backward(ctx, *grads)
         if not C.is_grad_enabled():
             return result
-        sources = tuple(t for t in tuple(grads) + tuple(ctx.inputs)
+        call = _call(ctx)
+        sources = tuple(t for t in tuple(grads) + call.args
                         if isinstance(t, Tensor) and t.requires_grad)
         if not sources:
             return result
@@ -192,7 +300,7 @@ def once_differentiable(backward):
                 g = wrap(g._data)
                 mark = NotDifferentiableTwiceBackward()
                 mark.message = ("trying to differentiate twice a function that was marked with "
-                                f"@once_differentiable ({ctx.name()})")
+                                f"@once_differentiable ({call.name()})")
                 attach(g, mark, sources)
             marked.append(g)
         return marked[0] if single else tuple(marked)
@@ -203,96 +311,152 @@ class Function:
     """Base for user-defined ops with a hand-written backward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, *args):
+    def forward(ctx, *args, **kwargs):
         raise NotImplementedError("a Function subclass must define forward(ctx, *args)")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        raise NotImplementedError("setup_context is not defined for this Function")
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         raise NotImplementedError("a Function subclass must define backward(ctx, *grads)")
 
     @classmethod
-    def apply(cls, *args):
+    def apply(cls, *args, **kwargs):
+        setup = _has_setup_context(cls)
+        if kwargs or setup:
+            args, kwargs = _bind(cls, args, kwargs, setup)
         # under mt.compile one call is one record: the replay runs forward and attaches
         # the node again (microtensor/capture/recorder.py)
-        return _capture.record_call(f"{cls.__name__}.apply", _apply, (cls,) + args)
+        return _capture.record_call(f"{cls.__name__}.apply", _apply,
+                                    (cls, tuple(kwargs.items())) + tuple(args))
 
 
-def _apply(cls, *args):
+def _has_setup_context(cls):
+    return getattr(cls.setup_context, "__func__", cls.setup_context) is not _BASE_SETUP
+
+
+_BASE_SETUP = Function.__dict__["setup_context"].__func__
+
+
+def _bind(cls, args, kwargs, setup):
+    """apply's arguments as forward's: (positional inputs, keyword-only arguments)."""
+    try:
+        sig = _inspect.signature(cls.forward)
+    except (TypeError, ValueError):             # no signature to read: as given
+        return args, kwargs
+    params = list(sig.parameters.values())
+    if not setup:
+        params = params[1:]                      # ctx
+    sig = sig.replace(parameters=params)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{cls.__name__}.forward(): {e}") from None
+    if setup:
+        bound.apply_defaults()                   # as torch: inputs then include defaults
+    given = bound.arguments
+    positional = [p for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    last = max((i for i, p in enumerate(positional) if p.name in given), default=-1)
+    out_args, out_kwargs = [], {}
+    for p in positional[:last + 1]:
+        if p.kind == p.VAR_POSITIONAL:
+            out_args.extend(given.get(p.name, ()))
+        else:
+            out_args.append(given[p.name] if p.name in given else p.default)
+    for p in params:
+        if p.kind == p.KEYWORD_ONLY and p.name in given:
+            out_kwargs[p.name] = given[p.name]
+        elif p.kind == p.VAR_KEYWORD:
+            out_kwargs.update(given.get(p.name, {}))
+    for name, v in out_kwargs.items():
+        if isinstance(v, Tensor) and v.requires_grad:
+            raise TypeError(
+                f"{cls.__name__}.apply: the tensor passed as the keyword-only argument {name!r} "
+                f"requires grad, but only forward's positional parameters are inputs that "
+                f"receive a gradient: make {name!r} a parameter that can be given by position")
+    return tuple(out_args), out_kwargs
+
+
+def _apply(cls, kw_items, *args):
     """Function.apply's work: forward with grad mode off, then its outputs attached."""
     ctx = FunctionCtx()
-    ctx.fn = cls
-    ctx._args = tuple(a if isinstance(a, Tensor) else None for a in args)
-    ctx._saved = None
-    ctx.materialize_grads = True
-    ctx._non_differentiable = set()
-    tensors = tuple(a for a in ctx._args if a is not None)
-    graph = needs_graph(tensors)
-    # as torch: from requires_grad alone (also under no_grad)
-    ctx.needs_input_grad = tuple(a is not None and a.requires_grad for a in ctx._args)
+    call = _Call(cls, args)
+    _CALL_SLOT.__set__(ctx, call)
+    graph = needs_graph(tuple(a for a in call.args if a is not None))
+    kwargs = dict(kw_items)
     with no_grad():
-        result = cls.forward(ctx, *args)
-    single = not isinstance(result, (tuple, list))
-    results = (result,) if single else tuple(result)
+        if _has_setup_context(cls):
+            result = cls.forward(*args, **kwargs)
+            cls.setup_context(ctx, args, result)
+        else:
+            result = cls.forward(ctx, *args, **kwargs)
     if not graph:
-        ctx._to_save = ()
+        call.to_save = ()
         return result
-    outputs = _attach_outputs(ctx, results, ctx._args)
+    # as torch: a tuple is several outputs; anything else (a list too) is one
+    single = not isinstance(result, tuple)
+    results = (result,) if single else result
+    outputs = _attach_outputs(ctx, call, results)
     return outputs[0] if single else tuple(outputs)
 
 
-def _attach_outputs(ctx, results, inputs):
-    """Make the tensors forward returned the outputs of `ctx` applied to `inputs`: the one
-    place a Function call enters the graph. Returns the outputs to hand to the user."""
+def _attach_outputs(ctx, call, results):
+    """Make the tensors forward returned the outputs of the Function's node: the one place
+    a Function call enters the graph. Returns the outputs to hand to the user."""
+    inputs = call.args
     inputs_by_id = {id(a) for a in inputs if a is not None}
+    node = FunctionBackward(ctx, call)
     fresh, diff = [], []
     for r in results:
         if isinstance(r, Tensor):
             if id(r) in inputs_by_id or r.requires_grad:   # returned an input: a new tensor
                 r = wrap(r._data)
-            if id(r) not in ctx._non_differentiable and r.dtype.kind in "fc":
+            if id(r) not in call.non_diff and r.dtype.kind in "fc":
                 diff.append(r)
         fresh.append(r)
-    ctx._outputs = []
     if len(diff) == 1 and len([r for r in fresh if isinstance(r, Tensor)]) == 1:
-        attach(diff[0], ctx, inputs)
-        ctx._outputs.append(("whole", None, None, 0))
+        attach(diff[0], node, inputs)
+        call.outputs = [("whole", None, None, 0) if isinstance(r, Tensor)
+                        else ("value", None, None, 0) for r in fresh]
         outputs = fresh
     else:
-        outputs = _attach_several(ctx, fresh, diff, inputs)
+        outputs = _attach_several(node, call, fresh, diff, inputs)
     # saved outputs: the tensors the user will hold (the same objects, or their stand-ins)
     replaced = {id(r): o for r, o in zip(results, outputs) if isinstance(r, Tensor)}
-    saved = tuple(replaced.get(id(t), t) if t is not None else None
-                  for t in getattr(ctx, "_to_save", ()))
-    ctx._to_save = ()
-    ctx._saved = saved
-    ctx._saved_at = tuple(None if t is None else t._version for t in saved)
+    saved = tuple(replaced.get(id(t), t) if t is not None else None for t in call.to_save)
+    call.to_save = ()
+    call.saved = saved
+    call.saved_at = tuple(None if t is None else t._version for t in saved)
     return outputs
 
 
-def _attach_several(ctx, fresh, diff, inputs):
-    """Several outputs (or non-differentiable ones): one flat buffer is the node's output,
-    each differentiable output a reshaped slice of it."""
+def _attach_several(node, call, fresh, diff, inputs):
+    """Several outputs (or non-differentiable ones): the Function's node has one flat
+    output (never shown, and owning no memory); each differentiable output is the output
+    of a FunctionOutputBackward of its own, whose input is that flat tensor."""
     diff_ids = {id(d) for d in diff}
-    outputs = []
+    total = sum(d.numel() for d in diff)
     if diff:
         dtype = np.result_type(*[d.dtype for d in diff])
-        flat = wrap(np.concatenate([np.asarray(d._data, dtype=dtype).reshape(-1) for d in diff]))
-        attach(flat, ctx, inputs)
-    offset = 0
-    for r in fresh:
+        flat = wrap(np.broadcast_to(np.zeros((), dtype=dtype), (total,)))
+        attach(flat, node, inputs)
+    outputs, offset = [], 0
+    for i, r in enumerate(fresh):
         if not isinstance(r, Tensor):
+            call.outputs.append(("value", None, None, 0))
             outputs.append(r)
             continue
         if id(r) not in diff_ids:
-            ctx._outputs.append(("none", tuple(r.shape), r.dtype, 0))
+            call.outputs.append(("none", tuple(r.shape), r.dtype, 0))
             outputs.append(r)
             continue
         n = r.numel()
-        with enable_grad():
-            o = C.reshape(flat[offset:offset + n], tuple(r.shape))
-            if o.dtype != r.dtype:
-                o = C._cast(o, r.dtype)
-        ctx._outputs.append(("part", tuple(r.shape), r.dtype, offset))
+        o = wrap(r._data)
+        attach(o, FunctionOutputBackward(node, i, offset, n, total, dtype), (flat,))
+        call.outputs.append(("part", tuple(r.shape), r.dtype, offset))
         outputs.append(o)
         offset += n
     return outputs
