@@ -144,9 +144,9 @@ def changed(first, second):
     b = {id(g[0]): g for g in second}
     for key in a.keys() & b.keys():
         if a[key][1] != b[key][1]:
-            diff = dict(a[key][1]).keys() ^ dict(b[key][1]).keys()
-            names = sorted(diff) or [n for (n, *x), (_, *y) in zip(a[key][1], b[key][1])
-                                     if x != y]
+            x = {p[0]: p[1:] for p in a[key][1]}
+            y = {p[0]: p[1:] for p in b[key][1]}
+            names = sorted(n for n in x.keys() | y.keys() if x.get(n) != y.get(n))
             return (f"{type(a[key][0]).__name__}'s {', '.join(map(str, names[:3]))} changed "
                     "between the recorded calls (module state the function changes)")
     return None
