@@ -145,6 +145,10 @@ class Browser:
     def open(self, url, wait_for="document.body && document.body.dataset.ready === '1'"):
         """Navigate and wait for the load event and for `wait_for` to be true; returns
         the seconds from the navigation to that moment."""
+        # NOTE: from page#a to page#b is a navigation within the document, which fires
+        # no load event and runs no script again: leave the page first
+        self.send("Page.navigate", {"url": "about:blank"})
+        self.wait_event("Page.loadEventFired")
         self.events = [e for e in self.events if e.get("method") != "Page.loadEventFired"]
         start = time.monotonic()
         self.send("Page.navigate", {"url": url})
@@ -172,9 +176,11 @@ class Browser:
                                                    "button": "left", "clickCount": 1})
 
     def requests(self):
-        """The URLs of every request the page started (Network.requestWillBeSent)."""
+        """The URLs of every request the page started (Network.requestWillBeSent), about:
+        blank (which `open` passes through) left out."""
         return [e["params"]["request"]["url"] for e in self.events
-                if e.get("method") == "Network.requestWillBeSent"]
+                if e.get("method") == "Network.requestWillBeSent"
+                and e["params"]["request"]["url"] != "about:blank"]
 
     def resize(self, width, height):
         self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,

@@ -246,7 +246,7 @@ draw();panel();fromHash();
 window.explorer={nodeCount:()=>D.nodes.length,renderedCount,select:id=>select(id),selectedInfo,step,back,reset,play,pause,
  litOrder:()=>D.order.slice(0,S.step),order:()=>D.order.slice(),fold:n=>fold(n,true),unfold:n=>fold(n,false),unfoldAll,foldBlocks,search,
  visible:()=>LAY.order.slice(),data:D,ready:true};
-document.body.dataset.ready='1';
+document.body.dataset.readyMs=Math.round(performance.now());document.body.dataset.ready='1';
 })();
 """
 
