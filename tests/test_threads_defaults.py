@@ -40,10 +40,20 @@ def runtime_spin(stderr):
 
 # ---- OpenMP's waiting policy ----------------------------------------------------------
 
+CHILD = ("import subprocess, sys; print(subprocess.run([sys.executable, '-c', \"import os; "
+         "print(os.environ.get('OMP_WAIT_POLICY'))\"], capture_output=True, text=True)"
+         ".stdout.strip())")
+
+
 def test_passive_waiting_is_set_before_the_runtime_starts():
-    r = python(SHOW, {"OMP_DISPLAY_ENV": "VERBOSE"})
+    """For this process's runtime only: os.environ, and so a subprocess, see the user's
+    environment unchanged (None), while libgomp took the passive policy (spin 0)."""
+    r = python(SHOW + "; " + CHILD + "; print(mt._omp_env.settings()['OMP_WAIT_POLICY'])",
+               {"OMP_DISPLAY_ENV": "VERBOSE"})
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["PASSIVE"]
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["None", "None"], r.stdout
+    assert "PASSIVE" in lines[2] and "this process only" in lines[2], r.stdout
     # the runtime itself read it: set after an extension was loaded, the runtime would
     # keep its own default spin (300000) and our variable would change nothing
     if runtime_spin(r.stderr) is None:
@@ -56,17 +66,20 @@ def test_passive_waiting_is_set_before_the_runtime_starts():
     ({"OMP_WAIT_POLICY": "passive"}, "passive"),         # left as written
     ({"GOMP_SPINCOUNT": "1000"}, "None"),                # a spin count decides it too
     ({"MICROTENSOR_OMP_DEFAULTS": "0"}, "None"),         # the library's default turned off
+    ({"MICROTENSOR_OMP_DEFAULTS": ""}, "None"),          # so does an empty value
 ])
 def test_an_explicit_setting_is_left_alone(user, expected_env):
-    r = python(SHOW + "; print(os.environ.get('GOMP_SPINCOUNT'))",
+    r = python(SHOW + "; print(os.environ.get('GOMP_SPINCOUNT')); " + CHILD,
                dict(user, OMP_DISPLAY_ENV="VERBOSE"))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [expected_env, user.get("GOMP_SPINCOUNT", "None")]
+    assert r.stdout.split() == [expected_env, user.get("GOMP_SPINCOUNT", "None"), expected_env]
     spin = runtime_spin(r.stderr)
     if spin is not None and expected_env == "ACTIVE":
         assert spin > 300000
     elif spin is not None and "GOMP_SPINCOUNT" in user:
         assert spin == int(user["GOMP_SPINCOUNT"])
+    elif spin is not None and "MICROTENSOR_OMP_DEFAULTS" in user:
+        assert spin == 300000, r.stderr          # libgomp's own default: nothing set
 
 
 def test_apply_defaults_reports_its_sources():
