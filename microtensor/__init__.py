@@ -62,7 +62,8 @@ from microtensor.dtypes import (
     dtype, device, float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8,
     bool_ as bool, finfo, iinfo,
 )
-from microtensor.generator import Generator, default_generator, manual_seed, seed, initial_seed
+from microtensor.generator import (Generator, default_generator, manual_seed, seed, initial_seed,
+                                  set_rng_state)
 from microtensor import autograd
 from microtensor.autograd import gradcheck, gradgradcheck
 from microtensor import nn, optim

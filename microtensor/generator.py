@@ -14,7 +14,14 @@ PCG64 stream, so two generators are independent and one seed gives one sequence 
 than torch, and the same numbers as microtensor).
 
 The default generator is a view of the core's stream (the one `mt.get_rng_state` saves):
-seeding or restoring either is seeding or restoring both.
+seeding or restoring either is seeding or restoring both. It is seeded once, when
+microtensor is imported, from the operating system's entropy; `mt.initial_seed()` says
+with what and changes nothing (`mt.manual_seed(mt.initial_seed())` restarts the stream).
+
+A state is accepted in every form microtensor hands one out: the uint8 tensor of
+`get_state()` (any generator's, the default one's included), the JSON string of
+`mt.get_rng_state()`, its bytes, or the dict it decodes to. `mt.set_rng_state` and every
+`Generator.set_state` take each of them.
 """
 import json
 import random as _py_random
@@ -25,7 +32,8 @@ from microtensor import _core
 from microtensor.dtypes import device as _device
 from microtensor.ops_creation import _check_device
 
-__all__ = ["Generator", "default_generator", "manual_seed", "seed", "initial_seed"]
+__all__ = ["Generator", "default_generator", "manual_seed", "seed", "initial_seed",
+           "set_rng_state"]
 
 _MAX_SEED = 2 ** 64
 
@@ -53,14 +61,22 @@ def _state_tensor(bit_generator):
 
 
 def _state_from(state):
-    if not isinstance(state, _core.Tensor) or state.dtype != np.uint8 or state.ndim != 1:
-        raise TypeError("set_state expects the uint8 tensor that get_state returned")
+    """A numpy bit generator in `state`, given in any form a get_state hands out."""
+    if isinstance(state, _core.Tensor):
+        if state.dtype != np.uint8 or state.ndim != 1:
+            raise TypeError(f"set_state expects a 1-D uint8 tensor (what get_state returns), "
+                            f"got a {state.dtype} tensor of shape {tuple(state.shape)}")
+        state = bytes(np.ascontiguousarray(state.numpy()))
+    elif not isinstance(state, (str, bytes, bytearray, dict)):
+        raise TypeError(f"set_state expects a generator state (the uint8 tensor of get_state, "
+                        f"or the string of mt.get_rng_state), got {type(state).__name__}")
     try:
-        st = json.loads(bytes(state.numpy()).decode())
+        st = state if isinstance(state, dict) else json.loads(
+            state if isinstance(state, str) else bytes(state).decode())
         bg = getattr(np.random, st["bit_generator"])()
         bg.state = st
     except Exception as e:                    # noqa: BLE001 - any garbage is one error
-        raise RuntimeError(f"set_state: not a generator state ({e})") from None
+        raise RuntimeError(f"set_state: not a generator state ({type(e).__name__}: {e})") from None
     return bg
 
 
@@ -108,7 +124,7 @@ class _DefaultGenerator(Generator):
 
     def __init__(self):
         self.device = _device("cpu")
-        self._initial = None
+        self.manual_seed(_fresh_seed())       # once, at import: the seed is then known
 
     def _numpy_generator(self):
         return _core.default_generator()
@@ -117,11 +133,6 @@ class _DefaultGenerator(Generator):
         self._initial = _check_seed(seed)
         _core.manual_seed(self._initial)
         return self
-
-    def initial_seed(self):
-        if self._initial is None:             # never seeded: seed it now, and say with what
-            self.manual_seed(_fresh_seed())
-        return self._initial
 
     def set_state(self, new_state):
         _core.set_rng_state(_state_from(new_state).state)
@@ -143,3 +154,8 @@ def seed():
 
 def initial_seed():
     return default_generator.initial_seed()
+
+
+def set_rng_state(new_state):
+    """Restore the default generator's state (any form a get_state hands out)."""
+    default_generator.set_state(new_state)

@@ -209,3 +209,129 @@ def test_multinomial_errors_as_torch(probs, n, replacement):
     with pytest.raises(RuntimeError) as ours:
         mt.multinomial(mt.tensor(probs), n, replacement)
     assert str(ours.value).split(",")[0] == str(theirs.value).split(",")[0]
+
+
+# ---- asking for the seed changes nothing; every state form goes everywhere -----------
+
+_FRESH = """
+import sys
+import numpy as np
+sys.path.insert(0, {root!r})
+import {lib} as lib
+{pre}
+a = lib.randn(6).numpy()
+s = lib.initial_seed()
+assert s == lib.initial_seed() == lib.default_generator.initial_seed()
+lib.manual_seed(lib.initial_seed())
+b = lib.randn(6).numpy()
+lib.manual_seed(s)
+c = lib.randn(6).numpy()
+print(int(np.array_equal(a, b)), int(np.array_equal(a, c)))
+"""
+
+PRE = {"nothing": "", "asked_first": "lib.initial_seed()",
+       "state_read": "lib.default_generator.get_state(); lib.get_rng_state()"}
+
+
+@pytest.mark.parametrize("pre", sorted(PRE))
+@pytest.mark.parametrize("lib", ["microtensor", "torch"])
+def test_initial_seed_in_a_fresh_process_does_not_reseed(lib, pre):
+    """torch: the stream a fresh process draws from is the one initial_seed() names."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _FRESH.format(root=root, lib=lib, pre=PRE[pre])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
+
+
+def test_initial_seed_is_the_seed_of_every_generator_without_reseeding():
+    for lib in (mt, torch):
+        for g in (lib.Generator(), lib.Generator().manual_seed(21)):
+            s = g.initial_seed()
+            a = lib.rand(5, generator=g).numpy()
+            assert g.initial_seed() == s                   # asking again: the same, no reseed
+            b = lib.rand(5, generator=g).numpy()
+            g.manual_seed(s)
+            np.testing.assert_array_equal(lib.rand(5, generator=g).numpy(), a)
+            np.testing.assert_array_equal(lib.rand(5, generator=g).numpy(), b)
+        lib.manual_seed(7)
+        x = lib.rand(3).numpy()
+        assert lib.initial_seed() == 7
+        y = lib.rand(3).numpy()
+        lib.manual_seed(lib.initial_seed())
+        np.testing.assert_array_equal(lib.rand(3).numpy(), x)
+        np.testing.assert_array_equal(lib.rand(3).numpy(), y)
+
+
+def _state_forms():
+    """name -> () -> a state of the stream as it is now, in each form handed out."""
+    return {
+        "mt.get_rng_state": lambda: mt.get_rng_state(),
+        "default_generator.get_state": lambda: mt.default_generator.get_state(),
+        "Generator.get_state": lambda: _copy_default_into_a_generator().get_state(),
+        "bytes": lambda: mt.get_rng_state().encode(),
+        "dict": lambda: __import__("json").loads(mt.get_rng_state()),
+    }
+
+
+def _copy_default_into_a_generator():
+    g = mt.Generator()
+    g.set_state(mt.default_generator.get_state())
+    return g
+
+
+SETTERS = {
+    "mt.set_rng_state": lambda st: (mt.set_rng_state(st), lambda: mt.randn(5))[1],
+    "default_generator.set_state": lambda st: (mt.default_generator.set_state(st),
+                                               lambda: mt.randn(5))[1],
+    "Generator.set_state": lambda st: (lambda g: (g.set_state(st),
+                                                  lambda: mt.randn(5, generator=g))[1])(
+        mt.Generator().manual_seed(99)),
+}
+
+
+@pytest.mark.parametrize("setter", sorted(SETTERS))
+@pytest.mark.parametrize("form", sorted(_state_forms()))
+def test_every_state_form_round_trips_through_every_setter(form, setter):
+    mt.manual_seed(1234)
+    mt.randn(3)
+    state = _state_forms()[form]()
+    want = mt.randn(5).numpy()
+    mt.randn(7)                                        # move the stream on
+    draw = SETTERS[setter](state)
+    np.testing.assert_array_equal(draw().numpy(), want)
+
+
+@pytest.mark.parametrize("put", ["set_rng_state", "default_generator.set_state",
+                                 "Generator.set_state"])
+@pytest.mark.parametrize("get", ["get_rng_state", "default_generator.get_state"])
+def test_torch_accepts_its_state_forms_interchangeably_too(get, put):
+    """The oracle: torch's forms go into each of torch's setters."""
+    torch.manual_seed(5)
+    state = torch.get_rng_state() if get == "get_rng_state" else \
+        torch.default_generator.get_state()
+    want = torch.rand(4)
+    torch.rand(9)
+    if put == "Generator.set_state":
+        g = torch.Generator()
+        g.set_state(state)
+        assert torch.equal(torch.rand(4, generator=g), want)
+    else:
+        (torch.set_rng_state if put == "set_rng_state" else torch.default_generator.set_state)(
+            state)
+        assert torch.equal(torch.rand(4), want)
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (3, TypeError, "generator state"), ([1, 2], TypeError, "generator state"),
+    ("not json", RuntimeError, "not a generator state"),
+    ({"bit_generator": "Nope"}, RuntimeError, "not a generator state"),
+])
+def test_a_bad_state_names_the_problem_in_every_setter(bad, error, match):
+    for put in (mt.set_rng_state, mt.default_generator.set_state, mt.Generator().set_state):
+        with pytest.raises(error, match=match):
+            put(bad)
