@@ -74,14 +74,63 @@ def jobs():
         return os.cpu_count() or 1
 
 
+# The per-CPU builds of the fused kernels and the gcc target of each. Only the kernels'
+# own functions are compiled for the target: Cython's generated C holds them in its
+# "module_code" section after Cython's memoryview helpers, and target_kernels_only puts a
+# `#pragma GCC target` around exactly them. The module's import code, Cython's helpers and
+# the memoryview machinery stay plain x86-64, so importing any build is safe on every
+# x86-64 CPU (a whole-file pragma made gcc use AVX instructions at import: a CPU without
+# them died there). What each build checks at import is in its .pyx.
+AVX512 = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=256"
+KERNEL_TARGETS = {
+    "microtensor._fused_avx2": "avx2,fma",
+    "microtensor._fused_attention_avx2": "avx2,fma",
+    "microtensor._fused_avx512": AVX512,
+    "microtensor._fused_attention_avx512": AVX512,
+}
+PRAGMA_MARK = "/* microtensor: kernel functions compiled for "
+
+
+def target_kernels_only(c_file, target):
+    """Wrap the kernels' functions in `c_file` (Cython's output) in a `#pragma GCC target`
+    (gcc on x86-64 only; elsewhere the build is a plain copy). Done once per generated
+    file; the build stops if the file's layout is not the one expected."""
+    with open(c_file) as f:
+        text = f.read()
+    if PRAGMA_MARK in text:
+        return
+    start = text.index("/* #### Code section: module_code ### */")
+    end = text.index("/* #### Code section: module_exttypes ### */")
+    first = text.find('\n/* "microtensor/', start, end)
+    later_helpers = [text.find(m, first, end) for m in ('\n/* "View.MemoryView"', '\n/* "(tree')]
+    if first < 0 or any(i >= 0 for i in later_helpers):
+        raise RuntimeError(f"{c_file}: Cython's module code is not laid out as setup.py "
+                           "expects (the kernels after Cython's helpers); see KERNEL_TARGETS")
+    guard = "#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)\n"
+    push = (f"\n{PRAGMA_MARK}{target} */\n{guard}#pragma GCC push_options\n"
+            f'#pragma GCC target ("{target}")\n#endif\n')
+    pop = f"{guard}#pragma GCC pop_options\n#endif\n"
+    text = text[:first] + push + text[first:end] + pop + text[end:]
+    with open(c_file, "w") as f:
+        f.write(text)
+
+
 class ParallelBuildExt(build_ext):
     """build_ext with one compile job per CPU unless -j/--parallel says otherwise (pip
-    runs build_ext without options, so the default is what makes `pip install .` quick)."""
+    runs build_ext without options, so the default is what makes `pip install .` quick);
+    the per-CPU builds get their target around their kernels only (KERNEL_TARGETS)."""
 
     def finalize_options(self):
         super().finalize_options()
         if not self.parallel:
             self.parallel = jobs()
+
+    def build_extension(self, ext):
+        if ext.name in KERNEL_TARGETS:
+            for source in ext.sources:
+                if source.endswith(".c"):
+                    target_kernels_only(source, KERNEL_TARGETS[ext.name])
+        super().build_extension(ext)
 
 
 def record_build_config():

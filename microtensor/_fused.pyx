@@ -21,6 +21,7 @@ row_sum / row_max / row_dot, the shapes gcc vectorises (see _fused_math.pxi).
 from cython.parallel cimport prange, parallel, threadid
 cimport cython
 
+include "_kernel_target.pxi"
 include "_fused_math.pxi"
 
 cdef double SQRT_2_OVER_PI = 0.7978845608028654

@@ -47,6 +47,7 @@ from libc.float cimport FLT_MAX, DBL_MAX
 cimport cython
 from microtensor._common cimport gemm, use_gemm
 
+include "_kernel_target.pxi"
 include "_fused_math.pxi"
 
 cdef unsigned long long _GOLDEN = 0x9E3779B97F4A7C15
@@ -64,7 +65,8 @@ cdef unsigned long long _MIX2 = 0x94D049BB133111EB
 from microtensor._blas import pin_blas_threads, gemm_pointers
 
 _pointers = gemm_pointers()
-use_gemm(_pointers[0], _pointers[1])        # the BLAS microtensor._blas chose
+if CPU_RUNS_THIS_BUILD:     # use_gemm is compiled for this build's CPU (see _kernel_target.pxi)
+    use_gemm(_pointers[0], _pointers[1])    # the BLAS microtensor._blas chose
 
 
 def blas_thread_control_found():

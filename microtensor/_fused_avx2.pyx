@@ -3,22 +3,28 @@
 
 The build's baseline target (SSE2) leaves the elementwise kernels (exp polynomials,
 GELU, cross-entropy rows) 4 floats wide and without fused multiply-add; with AVX2+FMA
-gcc makes them 8 wide with FMA, several times faster. This module is the same source
-under `#pragma GCC target`; microtensor/nn/functional.py imports it only when the CPU
-reports AVX2 and FMA (else `_fused`), so the package still runs on any x86-64 and on
-other architectures (where the pragma is skipped and this is a plain second copy).
+gcc makes them 8 wide with FMA, several times faster. This module is the same source,
+its kernel functions compiled for AVX2+FMA (setup.py's KERNEL_TARGETS); its import code
+stays plain x86-64, so importing it is safe on any CPU, and on a CPU without AVX2 and
+FMA every function it exports raises instead of running (CPU_RUNS_THIS_BUILD is False).
+microtensor/nn/_functional_common.py loads it only where the CPU runs it (else `_fused`);
+on other architectures or compilers it is a plain second copy.
 """
 cdef extern from *:
+    # this build's target and its CPU check, read by _kernel_target.pxi (included by
+    # _fused.pyx); plain x86-64 code, run at import
     """
     #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-    #pragma GCC target ("avx2,fma")
-    #define MT_FUSED_TARGET "avx2,fma"
-    #else
-    #define MT_FUSED_TARGET "baseline"
+    #define MT_KERNEL_TARGET "avx2,fma"
+    static int mt_cpu_runs_target(void) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
     #endif
     """
-    const char* MT_FUSED_TARGET
-
-TARGET = (<bytes>MT_FUSED_TARGET).decode()
 
 include "_fused.pyx"
+
+if not CPU_RUNS_THIS_BUILD:
+    from microtensor.buildinfo import refuse_kernel_build
+    refuse_kernel_build(globals(), "AVX2 and FMA")

@@ -65,13 +65,18 @@ def _kernel_request():
 
 def _import_build(fused, attention):
     """(fused module, attention module) of one build, or None where this installation
-    lacks it (another platform)."""
+    lacks it (another platform) or the build says this CPU cannot run it (each per-CPU
+    build checks the CPU itself at import, with the compiler's own test; importing one is
+    safe on any CPU, see microtensor/_kernel_target.pxi)."""
     import importlib
     try:
-        return (importlib.import_module("microtensor." + fused),
+        pair = (importlib.import_module("microtensor." + fused),
                 importlib.import_module("microtensor." + attention))
     except ImportError:
         return None
+    if not all(getattr(m, "CPU_RUNS_THIS_BUILD", True) for m in pair):
+        return None
+    return pair
 
 
 def kernel_builds_here():
