@@ -18,6 +18,7 @@ line of an example on.
 import argparse
 import math
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -43,6 +44,18 @@ def minutes(seconds):
 
 # -----------------------------------------------------------------------------
 # errors on one line
+
+def command(script_path, *args):
+    """The command line that runs an example as this process was run: this Python (by a
+    path relative to the working directory when it lies below it, e.g. .venv/bin/python)
+    and the script's path, so a printed command works when pasted."""
+    def short(path):
+        rel = os.path.relpath(path)
+        return path if rel.startswith("..") else rel
+    python = short(sys.executable) if os.path.isabs(sys.executable) else sys.executable
+    parts = [python, short(os.path.abspath(script_path)), *args]
+    return " ".join(shlex.quote(p) for p in parts)
+
 
 def fail(prog, message, status=EXIT_USAGE):
     """Print `prog: error: message` on stderr and exit (SystemExit, so `finally` blocks

@@ -212,26 +212,58 @@ def save_checkpoint(path, model, optimizer, info):
     mt.save(tensors, path, metadata=metadata)
 
 
+class DamagedCheckpoint(CharDataError):
+    """A checkpoint file that exists but cannot be read (truncated, overwritten)."""
+
+    def __init__(self, message, path):
+        super().__init__(message)
+        self.path = path
+
+
+# train_char.py writes two independent files (each atomically, never one a link to the
+# other), so damage to one never touches the other
+LAST, BEST = "ckpt_last.safetensors", "ckpt_best.safetensors"
+
+
+def other_checkpoint(path):
+    """The other of ckpt_last / ckpt_best beside `path` when it exists, else None."""
+    name = os.path.basename(path)
+    if name not in (LAST, BEST):
+        return None
+    other = os.path.join(os.path.dirname(path), BEST if name == LAST else LAST)
+    return other if os.path.exists(other) else None
+
+
+def readable_iter(path):
+    """The iteration a checkpoint holds when it loads, else None."""
+    try:
+        return load_checkpoint(path)[2].get("iter")
+    except CharDataError:
+        return None
+
+
 def load_checkpoint(path):
-    """-> (model_state_dict, optimizer_state_dict, info) with info's JSON decoded."""
+    """-> (model_state_dict, optimizer_state_dict, info) with info's JSON decoded. A file
+    that exists but cannot be read raises DamagedCheckpoint."""
     if not os.path.exists(path):
         raise CharDataError(f"checkpoint not found: {path}")
     try:
         tensors, metadata = mt.load(path, with_metadata=True)
     except (ValueError, OSError) as e:
-        raise CharDataError(f"cannot read checkpoint {path}: {e}") from None
+        raise DamagedCheckpoint(f"cannot read checkpoint {path}: {e}", path) from None
     metadata = metadata or {}
     if metadata.get("format") != CHECKPOINT_FORMAT:
-        raise CharDataError(f"{path} is not a train_char.py checkpoint "
-                            f"(its metadata has no format '{CHECKPOINT_FORMAT}')")
+        raise DamagedCheckpoint(f"{path} is not a train_char.py checkpoint "
+                                f"(its metadata has no format '{CHECKPOINT_FORMAT}')", path)
     try:
         info = {k: json.loads(v) for k, v in metadata.items() if k not in ("format", "optimizer")}
         optimizer_state = _unflatten(json.loads(metadata["optimizer"]), tensors)
     except (ValueError, KeyError) as e:
-        raise CharDataError(f"checkpoint {path} has damaged metadata: {e}") from None
+        raise DamagedCheckpoint(f"checkpoint {path} has damaged metadata: {e}", path) from None
     missing = [k for k in ("run", "config", "vocab", "iter") if k not in info]
     if missing:
-        raise CharDataError(f"checkpoint {path} has damaged metadata: no {', '.join(missing)}")
+        raise DamagedCheckpoint(f"checkpoint {path} has damaged metadata: no "
+                                f"{', '.join(missing)}", path)
     model_state = {k: v for k, v in tensors.items() if not k.startswith("optimizer/")}
     return model_state, optimizer_state, info
 

@@ -8,6 +8,7 @@ The prompt is printed first, then its continuation. --temperature 0 is greedy de
 always the most likely next character (the same text whatever the seed).
 """
 import os
+import sys
 
 import _cli
 _cli.script(__name__)   # from here on, Ctrl-C exits quietly
@@ -82,7 +83,22 @@ def main(argv=None):
 
     try:
         path = args.ckpt or chardata.newest_checkpoint(args.out_dir)
-        model_state, _, info = chardata.load_checkpoint(path)
+        try:
+            model_state, _, info = chardata.load_checkpoint(path)
+        except chardata.DamagedCheckpoint as e:
+            # ckpt_last and ckpt_best are separate files: the other one may be whole
+            other = chardata.other_checkpoint(path)
+            at = chardata.readable_iter(other) if other else None
+            if at is None:
+                fail(f"{e}; no other checkpoint beside it can be read: train again "
+                     f"(train_char.py --force --out_dir {os.path.dirname(path) or '.'})")
+            if args.ckpt:
+                fail(f"{e}; the other checkpoint, {other} (iteration {at}), is a separate "
+                     f"file: sample from it with --ckpt {other}")
+            print(f"note: {e}; sampling from {other} (iteration {at}) instead",
+                  file=sys.stderr)
+            path = other
+            model_state, _, info = chardata.load_checkpoint(path)
         model = chardata.build_model(info["config"], model_state, source=f"checkpoint {path}")
         tokenizer = chardata.CharTokenizer(info["vocab"])
         prompt_ids = tokenizer.encode(args.prompt, what="prompt")

@@ -252,6 +252,13 @@ def train(argv, cleanup):
         import microtensor.distributed as dist
         rank, world = dist.init()
         cleanup.enter_context(dist.abort_on_error())
+        if world == 1:
+            import importlib.util
+            why = ("mpi4py is not installed (pip install \"microtensor[mpi]\")"
+                   if importlib.util.find_spec("mpi4py") is None
+                   else "it was not started by an MPI launcher, or with -n 1")
+            _cli.warn(prog, f"--ddp runs one process here: {why}; to train in 2 processes: "
+                            f"mpiexec -n 2 {_cli.command(__file__, '--ddp', '...')}")
         if rank > 0:
             sys.stdout = open(os.devnull, "w")
     # --- end ddp
@@ -263,11 +270,24 @@ def train(argv, cleanup):
     best_path = os.path.join(out_dir, "ckpt_best.safetensors")
     checkpoint = None
     run = dict(DEFAULTS)
+
+    def resume_remedy(missing):
+        """What to do when ckpt_last cannot be resumed: ckpt_best is a file of its own."""
+        other = chardata.other_checkpoint(missing)
+        at = chardata.readable_iter(other) if other else None
+        if at is not None:
+            return (f". To go on from the best checkpoint, {other} (iteration {at}, a "
+                    f"separate file), copy it over: cp {other} {last_path} and run again "
+                    f"with --resume; or start again with --force")
+        return f". No other checkpoint in {out_dir} can be read: start again with --force"
     try:
         if given.get("resume"):
             if not os.path.exists(last_path):
-                fail(f"--resume: no checkpoint at {last_path}")
-            checkpoint = chardata.load_checkpoint(last_path)
+                fail(f"--resume: no checkpoint at {last_path}" + resume_remedy(last_path))
+            try:
+                checkpoint = chardata.load_checkpoint(last_path)
+            except chardata.DamagedCheckpoint as e:
+                fail(f"{e}" + resume_remedy(last_path))
             saved = checkpoint[2]
             for key in MODEL_SHAPE_KEYS:
                 if key in given and given[key] != saved["run"][key]:
@@ -424,6 +444,10 @@ def train(argv, cleanup):
           f"n_embd {run['n_embd']}, {run['norm']}, pos {run['pos']}, mlp {run['mlp']}); "
           f"{tokens_per_iter:,} tokens per step; "
           + (f"resuming at iteration {iter_num}" if checkpoint else f"{run['max_iters']} steps"))
+    if checkpoint is not None and iter_num >= run["max_iters"]:
+        print(f"note: this run already reached --max_iters {run['max_iters']}, so there is "
+              f"nothing to train; to train further, raise it: --resume --max_iters "
+              f"{2 * max(run['max_iters'], 1)} --out_dir {out_dir}")
     if compiled:
         print("step: mt.compile records it on the first two steps and replays it after "
               "(--no-compile: eager)")
@@ -581,22 +605,6 @@ def train(argv, cleanup):
         if path == last_path:
             saved_iter[0] = iter_num
 
-    def copy_checkpoint(source, destination):
-        """A hard link when the file system allows (the next save of `source` writes a new
-        file, so `destination` keeps this one); otherwise a second save."""
-        if rank > 0:  # ddp
-            return
-        tmp = _cli.temp_path(destination)
-        try:
-            if os.path.lexists(tmp):
-                os.remove(tmp)
-            os.link(source, tmp)
-            os.replace(tmp, destination)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            save(destination)
-
     # Ctrl-C asks the loop to stop at the next step boundary, so the checkpoint it writes
     # is consistent (never half an optimizer step) and --resume continues exactly.
     # A second Ctrl-C interrupts at once.
@@ -651,12 +659,13 @@ def train(argv, cleanup):
                     _cli.replace_with(grad_path, write_grad_stats)
                 log_metrics((iter_num, losses["train"], losses["val"], lr, tps))
                 progress.write(f"iter {iter_num}: train loss {losses['train']:.4f}, "
-                               f"val loss {losses['val']:.4f}, lr {lr:.2e}, {tps:,.0f} tok/s")
+                               f"val loss {losses['val']:.4f}, lr {lr:.2e}"
+                               + (f", {tps:,.0f} tok/s" if tps > 0 else ""))  # once measured
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
                 save(last_path)
-                if improved:
-                    copy_checkpoint(last_path, best_path)
+                if improved:   # a file of its own, written atomically: never a link to last
+                    save(best_path)
 
             if iter_num >= run["max_iters"]:
                 break
@@ -694,8 +703,11 @@ def train(argv, cleanup):
         if previous_handler is not None:
             signal.signal(signal.SIGINT, previous_handler)
     progress.close()
-    print(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; "
-          f"checkpoints in {out_dir}/")
+    wrote = [n for n in OUTPUT_NAMES if os.path.exists(os.path.join(out_dir, n))]
+    print(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; wrote in "
+          f"{out_dir}/: {', '.join(wrote)}")
+    print("sample from it: " + _cli.command(os.path.join(os.path.dirname(__file__), "sample.py"),
+                                            "--out_dir", out_dir))
 
     # -------------------------------------------------------------------------
     # a sample from the final model

@@ -6,6 +6,7 @@ says how to build it."""
 import concurrent.futures
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -253,6 +254,96 @@ def test_a_good_run_is_not_stopped(tmp_path, corpus):
     assert sorted(os.listdir(out_dir)) == sorted(
         ["ckpt_last.safetensors", "ckpt_best.safetensors", "metrics.csv", "loss.png"])
 
+
+
+# ---- what a run says at its start and end ---------------------------------------------------
+
+@pytest.mark.parametrize("extra, outputs", [
+    ([], ["ckpt_last.safetensors", "ckpt_best.safetensors", "metrics.csv", "loss.png"]),
+    (["--grad_stats"], ["ckpt_last.safetensors", "ckpt_best.safetensors", "metrics.csv",
+                        "loss.png", "grad_stats.csv"]),
+])
+def test_the_end_of_a_run_names_what_it_wrote_and_how_to_sample(tmp_path, corpus, extra,
+                                                                 outputs):
+    out_dir = str(tmp_path / "run")
+    result = run("train_char.py", *TINY, "--data", corpus, "--out_dir", out_dir,
+                 "--max_iters", "6", "--eval_interval", "3", *extra)
+    assert result.returncode == 0, result.stderr
+    done = [ln for ln in result.stdout.splitlines() if ln.startswith("done: ")]
+    assert len(done) == 1 and f"{out_dir}/" in done[0]
+    for name in outputs:
+        assert name in done[0] and os.path.exists(os.path.join(out_dir, name)), done[0]
+    assert sorted(os.listdir(out_dir)) == sorted(outputs)
+    command = [ln for ln in result.stdout.splitlines() if ln.startswith("sample from it: ")]
+    assert len(command) == 1 and "sample.py --out_dir" in command[0]
+    # the command printed runs as printed
+    argv = shlex.split(command[0][len("sample from it: "):])
+    sampled = subprocess.run(argv + ["--max_new_tokens", "5", "--threads", "1"],
+                             capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0, sampled.stderr
+
+
+def test_no_tokens_per_second_before_it_is_measured(tmp_path, corpus):
+    out_dir = str(tmp_path / "run")
+    result = run("train_char.py", *TINY, "--data", corpus, "--out_dir", out_dir,
+                 "--max_iters", "6", "--eval_interval", "3")
+    assert result.returncode == 0, result.stderr
+    evals = [ln for ln in result.stdout.splitlines() if ln.startswith("iter ")]
+    assert len(evals) == 3
+    assert "tok/s" not in evals[0] and not re.search(r"\b0 tok/s", result.stdout)
+    assert all(re.search(r"[1-9][0-9,]* tok/s", ln) for ln in evals[1:]), evals
+    # a resumed run has measured nothing yet either
+    result = run("train_char.py", *TINY, "--data", corpus, "--out_dir", out_dir,
+                 "--max_iters", "9", "--eval_interval", "3", "--resume")
+    evals = [ln for ln in result.stdout.splitlines() if ln.startswith("iter ")]
+    assert evals and not re.search(r"\b0 tok/s", result.stdout)
+
+
+@pytest.mark.parametrize("max_iters", ["0", "4"])
+def test_resuming_a_finished_run_says_how_to_train_further(tmp_path, corpus, max_iters):
+    out_dir = str(tmp_path / "run")
+    common = [*TINY, "--data", corpus, "--out_dir", out_dir, "--eval_interval", "2"]
+    assert run("train_char.py", *common, "--max_iters", max_iters).returncode == 0
+    result = run("train_char.py", *common, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert f"already reached --max_iters {max_iters}" in result.stdout
+    suggested = re.search(r"--resume --max_iters (\d+)", result.stdout)
+    assert suggested and int(suggested.group(1)) > int(max_iters)
+    # a run that still has steps to go says nothing of the kind
+    result = run("train_char.py", *common, "--resume", "--max_iters", suggested.group(1))
+    assert result.returncode == 0 and "already reached" not in result.stdout
+    assert f"done: {suggested.group(1)} iterations" in result.stdout
+
+
+# mpi4py made unimportable, the script run as `python train_char.py ...` would run it
+NO_MPI4PY = ("import os, runpy, sys; sys.modules['mpi4py'] = None; sys.argv = sys.argv[1:]; "
+             "sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("mpi4py", ["installed", "missing"])
+def test_ddp_outside_a_launcher_says_it_runs_one_process(tmp_path, corpus, mpi4py):
+    if mpi4py == "installed":
+        pytest.importorskip("mpi4py")
+    out_dir = str(tmp_path / "run")
+    argv = [*TINY, "--data", corpus, "--out_dir", out_dir, "--max_iters", "2", "--ddp"]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "PMIX_", "MPI_", "HYDRA_"))}
+    script = os.path.join(EXAMPLES, "train_char.py")
+    command = [sys.executable, script, *argv] if mpi4py == "installed" else \
+        [sys.executable, "-c", NO_MPI4PY, script, *argv]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    notes = [ln for ln in result.stderr.splitlines() if "--ddp" in ln]
+    assert len(notes) == 1, result.stderr
+    assert "runs one process" in notes[0] and "mpiexec -n 2" in notes[0]
+    assert "train_char.py --ddp" in notes[0]
+    if mpi4py == "missing":
+        assert "mpi4py is not installed" in notes[0] and "microtensor[mpi]" in notes[0]
+    # without --ddp: no such note
+    result = subprocess.run(command[:-1] + ["--force"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0 and "--ddp" not in result.stderr
 
 # ---- who owns --out_dir -----------------------------------------------------------------------
 

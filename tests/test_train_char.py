@@ -7,6 +7,7 @@ import csv
 import io
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -416,3 +417,77 @@ def test_help_explains_every_option():
     assert stdout.count("(default:") >= 28
     code, stdout, _ = run_main(sample, ["--help"])
     assert code == 0 and "--top_p" in stdout and "--num_samples" in stdout
+
+
+# ---- two independent checkpoints: damage to one never touches the other ---------------------
+
+def small_run(corpus, out_dir, *extra):
+    code, stdout, stderr = run_main(train_char, [
+        "--data", corpus, "--out_dir", out_dir, *TINY_MODEL, "--max_iters", "6",
+        "--eval_interval", "3", "--eval_iters", "2", "--sample_chars", "0", *extra])
+    assert code == 0, stderr
+    return stdout, stderr
+
+
+DAMAGE = {
+    "truncated to 1000 bytes": lambda data: data[:1000],
+    "truncated to half": lambda data: data[:len(data) // 2],
+    "emptied": lambda data: b"",
+    "header overwritten": lambda data: b"\xff" * 16 + data[16:],
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize("which", ["last", "best"])
+def test_damage_to_one_checkpoint_leaves_the_other_and_says_what_to_do(corpus, tmp_path,
+                                                                        which, damage):
+    out_dir = str(tmp_path / "out")
+    small_run(corpus, out_dir)
+    last = os.path.join(out_dir, "ckpt_last.safetensors")
+    best = os.path.join(out_dir, "ckpt_best.safetensors")
+    # two files of their own: no hard link, no second name for one file
+    for path in (last, best):
+        assert os.stat(path).st_nlink == 1 and not os.path.islink(path)
+    assert not os.path.samefile(last, best)
+    bad, good = (last, best) if which == "last" else (best, last)
+    expected_iter = chardata.load_checkpoint(good)[2]["iter"]
+    with open(bad, "rb") as f:
+        data = f.read()
+    with open(bad, "wb") as f:
+        f.write(DAMAGE[damage](data))
+
+    # the other one loads, and sample.py without --ckpt uses it
+    assert chardata.load_checkpoint(good)[2]["iter"] == expected_iter
+    code, stdout, stderr = run_main(sample, ["--out_dir", out_dir, "--threads", "1",
+                                             "--max_new_tokens", "5"])
+    assert code == 0, stderr
+    if os.path.getmtime(bad) >= os.path.getmtime(good):     # the newest was the damaged one
+        assert f"sampling from {good}" in stderr
+    # --ckpt naming the damaged file: one line that names the other file
+    expect_error(sample, ["--ckpt", bad], "cannot read checkpoint", bad, f"--ckpt {good}")
+
+    if which == "last":
+        # --resume: the line names the remedy, the other checkpoint's path and --force
+        expect_error(train_char, ["--data", corpus, "--out_dir", out_dir, *TINY_MODEL,
+                                  "--resume", "--max_iters", "9"],
+                     "cannot read checkpoint", f"cp {best} {last}", "--resume", "--force")
+        shutil.copy(best, last)                         # doing what it says works
+    code, stdout, stderr = run_main(train_char, ["--data", corpus, "--out_dir", out_dir,
+                                                 *TINY_MODEL, "--resume", "--max_iters", "9",
+                                                 "--eval_iters", "2", "--sample_chars", "0"])
+    assert code == 0, stderr
+    assert f"resuming at iteration {expected_iter}" in stdout
+    assert chardata.load_checkpoint(last)[2]["iter"] == 9
+
+
+def test_both_checkpoints_damaged_says_start_again(corpus, tmp_path):
+    out_dir = str(tmp_path / "out")
+    small_run(corpus, out_dir)
+    for name in ("ckpt_last.safetensors", "ckpt_best.safetensors"):
+        with open(os.path.join(out_dir, name), "r+b") as f:
+            f.truncate(100)
+    expect_error(train_char, ["--data", corpus, "--out_dir", out_dir, *TINY_MODEL, "--resume"],
+                 "cannot read checkpoint", "start again with --force")
+    expect_error(sample, ["--out_dir", out_dir], "no other checkpoint", "--force")
+    small_run(corpus, out_dir, "--force")                # and --force does start again
+
