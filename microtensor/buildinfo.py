@@ -144,6 +144,8 @@ def format_config(c):
             or "scipy's BLAS"
         if choice.get("reason"):
             gemm_line += f" ({choice['reason']})"
+        if c.get("vendor") == "Intel" and "not installed" in (choice.get("reason") or ""):
+            gemm_line += "\n                 " + mkl_hint()
     npy = [lib for lib in c["blas"] if lib["user"] == "numpy"]
     wait = "; ".join(f"{k}={v['value']} ({v['source']})" for k, v in c["openmp_wait"].items())
     return [
@@ -165,6 +167,17 @@ def format_config(c):
         "  memory         " + _malloc_line(c.get("malloc")),
         f"  load average   {c['loadavg']}",
     ]
+
+
+def mkl_hint():
+    """What makes the products faster on an Intel CPU without oneMKL: the optional extra
+    (oneMKL is installed on demand only, never on AMD, where it is not used)."""
+    import sys
+    pip = os.path.join(os.path.dirname(sys.executable), "pip")
+    rel = os.path.relpath(pip)
+    pip = pip if rel.startswith("..") else rel
+    return (f"oneMKL makes the products faster on this Intel CPU: {pip} install mkl "
+            f"(or pip install \"microtensor[mkl]\"); docs/BENCHMARKS.md has the figures")
 
 
 def show_config(file=None):
