@@ -190,9 +190,22 @@ def _cross_entropy_weighted(input, t, weight, ignore_index, reduction, label_smo
     total = C.sum(losses)
     if reduction == "sum":
         return total
+    if not keep.any():
+        return _nan_with_zero_grad(total)
     counted = C.sum(C.mul(C.reshape(w, (n_classes,) + (1,) * (x.ndim - dim - 1)),
                           wrap(mask.astype(x.dtype))))
+    # only the counted rows are divided (an ignored row's gradient stays 0, also when the
+    # counted weights sum to 0 and the others are NaN, as torch)
+    if losses.ndim:
+        total = C.sum(losses[np.nonzero(keep.reshape(out_shape))])
     return C.div(total, counted)
+
+
+def _nan_with_zero_grad(total):
+    """'mean' over no counted target, as torch: the loss is NaN (0 / 0) and the gradient
+    exactly 0 (nothing was counted), not NaN (a division by 0 in the backward)."""
+    from microtensor import _core as C
+    return C.add(C.mul(total, 0.0), float("nan"))
 
 
 def _cross_entropy_probs(input, target, weight, reduction, label_smoothing):
@@ -218,30 +231,75 @@ def _cross_entropy_probs(input, target, weight, reduction, label_smoothing):
     return C.mean(losses)
 
 
-def nll_loss(input, target, ignore_index=-100, reduction="mean"):
-    """loss = -input[target]  (input holds log-probabilities)"""
+_LEGACY = {(True, True): "mean", (False, True): "sum"}
+
+
+def _legacy_reduction(size_average, reduce, reduction):
+    """torch's deprecated size_average / reduce, read as torch reads them."""
+    if size_average is None and reduce is None:
+        return reduction
+    size_average = True if size_average is None else bool(size_average)
+    reduce = True if reduce is None else bool(reduce)
+    return _LEGACY.get((size_average, reduce), "none")
+
+
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+             reduction="mean"):
+    """loss_n = -w[t_n] input[n, t_n] (input holds log-probabilities; w = 1 without weight),
+    0 where t_n is ignore_index; 'mean' divides the sum by the sum of w[t_n] over the
+    counted targets (NaN, with a zero gradient, when none is counted), as torch.
+    Layouts: (C,) with (), (N, C) with (N,), (N, C, d1, ...) with (N, d1, ...)."""
+    from microtensor import _core as C
     logp = _tensor(input, "nll_loss input")
+    reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction)
     t = target._data if isinstance(target, Tensor) else np.asarray(target)
     if t.dtype.kind not in "iu":
         raise DtypeError(f"nll_loss: target must be an integer (int64) tensor of class "
-                        f"indices, got dtype {t.dtype}")
+                         f"indices, got dtype {t.dtype}")
     t = np.array(t, dtype=np.int64, copy=True)          # private: checked once, then used
-    if logp.ndim != 2 or t.shape != (logp.shape[0],):
+    want = () if logp.ndim == 1 else (logp.shape[0],) + tuple(logp.shape[2:])
+    if logp.ndim == 0 or t.shape != want:
         raise ShapeError(f"nll_loss: input shape {logp.shape} and target shape {t.shape} do "
-                         "not fit (expected (N, C) and (N,))")
-    C = logp.shape[1]
+                         f"not fit (expected (C,) and (), (N, C) and (N,), or (N, C, d1, ...) "
+                         f"and (N, d1, ...))")
+    dim = 0 if logp.ndim == 1 else 1
+    n_classes = logp.shape[dim]
+    if weight is None:
+        w = np.ones(n_classes, dtype=logp.dtype)
+    else:
+        w = np.asarray(weight._data if isinstance(weight, Tensor) else weight)
+        if w.shape != (n_classes,):
+            raise ShapeError(f"nll_loss: weight tensor should be defined either for all "
+                             f"{n_classes} classes or no classes but got weight tensor of "
+                             f"shape: {list(w.shape)}")
+        w = w.astype(logp.dtype)
     keep = t != ignore_index
-    bad = keep & ((t < 0) | (t >= C))
+    bad = keep & ((t < 0) | (t >= n_classes))
     if bad.any():
-        raise IndexError(f"nll_loss: target {int(t[np.argmax(bad)])} is out of bounds for {C} classes")
-    safe = np.where(keep, t, 0).astype(np.int64)
-    picked = logp[np.arange(len(t)), safe] * wrap(keep.astype(logp.dtype))
+        raise IndexError(f"nll_loss: target {int(t[bad][0])} is out of bounds for "
+                         f"{n_classes} classes")
     if reduction == "none":
-        return -picked
+        tt = np.where(keep, t, 0)
+        onehot = np.expand_dims(tt, dim) == np.arange(n_classes).reshape(
+            (n_classes,) + (1,) * (logp.ndim - dim - 1))
+        weights = onehot * np.expand_dims(keep * w[tt], dim)
+        return C.neg(C.sum(C.mul(logp, wrap(weights.astype(logp.dtype))), dim))
+    # sum / mean: only the counted entries are read, so only they receive a gradient
+    tk = t[keep]                                         # (a 0-d keep gives 0 or 1 entries)
+    if dim == 0:
+        index = (tk,)
+    else:
+        where = np.nonzero(keep)
+        index = (where[0], tk) + tuple(where[1:])
+    wk = w[tk]
+    if tk.size == 0:
+        total = C.mul(C.sum(logp), 0.0)
+        return total if reduction == "sum" else _nan_with_zero_grad(total)
+    total = C.neg(C.sum(C.mul(logp[index], wrap(wk))))
     if reduction == "sum":
-        return -picked.sum()
-    return -picked.sum() / float(keep.sum())
+        return total
+    return C.div(total, wrap(np.asarray(wk.sum(dtype=np.float64), dtype=logp.dtype)))
 
 
 class MSELossBackward(Node):

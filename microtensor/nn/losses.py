@@ -36,14 +36,15 @@ class CrossEntropyLoss(_Loss):
 class NLLLoss(_Loss):
     """-input[target], input holding log-probabilities"""
 
-    def __init__(self, weight=None, ignore_index=-100, reduction="mean"):
-        super().__init__(reduction)
-        if weight is not None:
-            raise NotImplementedError("NLLLoss: class weights are not supported")
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                 reduction="mean"):
+        from microtensor.nn._losses_fn import _legacy_reduction
+        super().__init__(_legacy_reduction(size_average, reduce, reduction))
+        self.register_buffer("weight", weight)
         self.ignore_index = ignore_index
 
     def forward(self, input, target):
-        return F.nll_loss(input, target, ignore_index=self.ignore_index,
+        return F.nll_loss(input, target, weight=self.weight, ignore_index=self.ignore_index,
                           reduction=self.reduction)
 
 
