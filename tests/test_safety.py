@@ -575,6 +575,39 @@ def test_attention_nan_and_inf_as_torch(case, causal, dtype):
                        attention_inputs(case), dtype, rtol=1e-4, atol=1e-5)
 
 
+# The causal kernels skip the masked keys of a (b, h) only after a guard has scanned all
+# of its q, k, v (and dout in backward) for values that would make torch's masked entries
+# NaN (NaN, inf, or an overflow). Every element of each array matters, the last above all
+# (a scan that stops one short misses it): one such value at the first, a middle and the
+# last element of a (b, h)'s slab, and at the very last element of the array. T = 67 is
+# past one causal block of query rows (64), so the trimming is really used.
+GUARDED = ["q", "k", "v", "dout"]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["first", "middle", "slab_last", "array_last"])
+@pytest.mark.parametrize("tensor", GUARDED)
+def test_attention_guard_sees_every_element(tensor, where, value, dtype):
+    torch, TF = _torch_fns()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    BH, T, hs = 3, 67, 5
+    arrays = {n: rng.standard_normal((BH, T, hs)) for n in GUARDED}
+    bh = BH - 1 if where == "array_last" else 1
+    flat = {"first": 0, "middle": (T * hs) // 2, "slab_last": T * hs - 1,
+            "array_last": T * hs - 1}[where]
+    big = {"nan": NAN, "inf": INF, "-inf": -INF}[value]
+    arrays[tensor][bh].reshape(-1)[flat] = big
+    q, k, v, up = (arrays[n] for n in GUARDED)
+
+    def theirs(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            return TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with np.errstate(all="ignore"):
+        compare_with_torch(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                           theirs, [q, k, v], dtype, rtol=1e-4, atol=1e-5, upstream=up)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_attention_inf_upstream_gradient_as_torch(dtype):
     torch, TF = _torch_fns()
