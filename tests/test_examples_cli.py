@@ -541,3 +541,74 @@ def test_import_from_an_unbuilt_source_tree_says_what_to_do(tmp_path):
     assert "partially initialized" not in text
     assert "pip install ." in text and "another directory" in text
     assert "python setup.py build_ext --inplace" in text and 'pip install -e ".[test]"' in text
+
+
+# ---- the README's commands, as typed, from the repository root ----------------------------------
+
+def readme_commands():
+    """The commands of the README's "What you can run" table."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text[text.index("## What you can run"):]
+    table = table[:table.index("\n\n", table.index("| command"))]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    return [re.match(r"\| `([^`]+)`", row).group(1) for row in rows]
+
+
+def test_every_readme_command_uses_the_venv_the_first_command_made():
+    commands = readme_commands()
+    assert len(commands) >= 10
+    for command in commands:
+        words = shlex.split(command)
+        # the first command creates .venv and never activates it
+        assert words[0].startswith(".venv/bin/"), command
+        if words[0] == ".venv/bin/mpiexec":
+            assert words[3] == ".venv/bin/python", command
+        scripts = [w for w in words if w.endswith(".py") and "/" in w]
+        for script in scripts:
+            assert os.path.exists(os.path.join(ROOT, script)), command
+
+
+@pytest.mark.parametrize("command", [c for c in readme_commands() if ".py" in c
+                                     and "mpiexec" not in c and "bench_" not in c])
+def test_each_readme_script_answers_help_from_the_root(command):
+    words = shlex.split(command)
+    script = next(w for w in words if w.endswith(".py") and "/" in w)
+    result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage:")
+
+
+def test_the_readme_module_command_runs_from_a_fresh_clones_root(tmp_path):
+    """A fresh clone after `pip install .`: the root holds microtensor/ without compiled
+    modules, the package is installed in .venv. The table's `-m` command must import the
+    installed one; plain `python -m` meets the unbuilt folder and says so."""
+    import microtensor as mt
+    import site
+    command = next(c for c in readme_commands() if "microtensor.coverage" in c)
+    source = os.path.join(ROOT, "microtensor")
+    for folder, _, files in os.walk(source):
+        target = tmp_path / "microtensor" / os.path.relpath(folder, source)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            if name.endswith(".py"):
+                shutil.copy(os.path.join(folder, name), target / name)
+    # .venv: a virtual environment that sees the microtensor this test imported (built)
+    # and the packages of this interpreter, through a .pth file
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / ".venv")],
+                   check=True, timeout=120)
+    venv_site = next((tmp_path / ".venv" / "lib").glob("python*/site-packages"))
+    installed = os.path.dirname(os.path.dirname(os.path.abspath(mt.__file__)))
+    paths = [installed] + [p for p in site.getsitepackages() if os.path.isdir(p)]
+    (venv_site / "deps.pth").write_text("\n".join(paths) + "\n")
+    words = shlex.split(command)
+    assert words[0] == ".venv/bin/python"
+    result = subprocess.run([str(tmp_path / ".venv/bin/python"), *words[1:]], cwd=str(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Tensor" in result.stdout
+    plain = [w for w in words[1:] if w != "-I"]
+    result = subprocess.run([str(tmp_path / ".venv/bin/python"), *plain], cwd=str(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "source folder" in result.stderr
