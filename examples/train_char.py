@@ -24,15 +24,15 @@ import time
 import _cli
 _cli.script(__name__)   # from here on, Ctrl-C exits quietly
 
-# CPU seconds of the run with no arguments (all its threads together, so about the wall
-# clock on one idle core; the final sample included), as measured by docs/regenerate.py, which rewrites
-# this line and the docs that quote it.
+# wall-clock seconds of the run with no arguments at the default threads, the final sample
+# included, as measured by docs/regenerate.py on the CPU docs/TRAINING.md names (it
+# rewrites this line and the docs that quote it).
 DEFAULT_RUN_SECONDS = 134
 
 # -----------------------------------------------------------------------------
 # Defaults. Every one can be overridden: --name value (see --help). They are sized so
-# that a run with no arguments trains for about DEFAULT_RUN_SECONDS on one CPU core and
-# then writes mostly real words.
+# that a run with no arguments trains for about DEFAULT_RUN_SECONDS on a 2-core machine
+# and then writes mostly real words.
 DEFAULTS = dict(
     # I/O
     out_dir="out-char",      # checkpoints, metrics.csv and loss.png go here
@@ -91,8 +91,10 @@ def build_parser():
         prog="train_char.py",
         description="Train a character-level GPT with microtensor. The defaults train on "
                     "Python's documentation text in about "
-                    f"{_cli.minutes(DEFAULT_RUN_SECONDS)} on one CPU core (measured: "
-                    f"{DEFAULT_RUN_SECONDS} s of CPU time, the final sample included). Bad "
+                    f"{_cli.minutes(DEFAULT_RUN_SECONDS)} (measured: {DEFAULT_RUN_SECONDS} s "
+                    "of wall clock at the default threads on the 2-core Intel Xeon that "
+                    "docs/TRAINING.md names, the final sample included; it varies with the "
+                    "CPU). Bad "
                     "options end in one line 'error: ...' and exit status 2; a loss that "
                     "becomes NaN or Inf stops the run with status 1 and keeps the last "
                     "good checkpoint; Ctrl-C saves a checkpoint and exits with status 130.",
