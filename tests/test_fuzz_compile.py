@@ -6,7 +6,11 @@ draw (mt.randn, rand_like, dropout, t.normal_, nn.init.uniform_, randperm), a va
 (item, float, bool, mt.equal, str, a boolean-mask shape), Python control flow on a
 constant or on a counter the function keeps, a call of another compiled function, an
 optimizer step (SGD or AdamW on a small Linear), a read of a parameter's `.grad`, and
-an op called through a reference taken before mt.compile wrapped the ops.
+an op called through a reference taken before mt.compile wrapped the ops, an op run
+by another thread the function starts and joins (its result used), and a scalar that
+Python calls equal but eager does not treat alike (0.0 and -0.0, 2 and 2.0, 1 and True,
+two NaNs, inf and -inf), given as an argument or read from a global: calls 0 and 1 get
+the first of the pair, the later calls alternate.
 It is built twice, on the same seed: once eager, once through mt.compile (with its inner
 function compiled too). Both are called six times on the same inputs, from the same RNG
 state (the first two calls get the same inputs, the later ones new ones: a value baked
@@ -18,7 +22,9 @@ them must not.
     pytest tests/test_fuzz_compile.py                               # CI: 60 programs
     MT_FUZZ_COMPILE_PROGRAMS=20000 pytest -m slow tests/test_fuzz_compile.py   # long run
 """
+import math
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -39,8 +45,14 @@ IN_PLACE = ["exp_", "relu_", "tanh_", "neg_", "sigmoid_", "abs_", "zero_", ("mul
 DRAWS = ["randn", "rand_like", "dropout", "normal_", "init.uniform_", "randperm", "bernoulli"]
 READS = ["item", "float", "bool", "equal", "str", "mask shape", "tolist"]
 KINDS = ["op", "op", "op", "unary", "in_place", "draw", "read", "const_branch", "counter",
-         "nested", "step", "grad_read", "captured"]
-REFUSING = {"read", "counter", "captured"}          # the documented refusals
+         "nested", "step", "grad_read", "captured", "thread", "scalar_arg", "scalar_global"]
+REFUSING = {"read", "counter", "captured", "thread"}          # the documented refusals
+SCALAR_USES = ["mul", "div", "clamp_max", "full", "pow", "add_zero"]
+# pairs Python calls equal (or that share a hash) which eager tells apart
+SCALAR_PAIRS = [(0.0, -0.0), (-0.0, 0.0), (2, 2.0), (2.0, 2), (1, True), (True, 1.0),
+                (float("nan"), float("nan")), (math.inf, -math.inf), (0, -0.0)]
+VARYING = {"scalar_arg", "scalar_global"}           # a new key or guard value per call
+FUZZ_SCALAR = 0.0         # the global the "scalar_global" statements read
 # table ops whose output shape is read from the values (the door refuses them)
 DOOR_OPS = {"index_mask"}
 _TANH = mt.tanh         # a reference taken before any recording wrapped the ops
@@ -54,7 +66,8 @@ def make_program(seed):
     for _ in range(n - 1):
         kind = KINDS[rng.integers(len(KINDS))]
         table = {"op": OP_NAMES, "unary": UNARY, "in_place": IN_PLACE, "draw": DRAWS,
-                 "read": READS}.get(kind, [None])
+                 "read": READS, "scalar_arg": SCALAR_USES,
+                 "scalar_global": SCALAR_USES}.get(kind, [None])
         program.append((kind, table[rng.integers(len(table))]))
     return program
 
@@ -88,7 +101,7 @@ def build(program, compiled, seed):
         return (t * 2).tanh().sum()
     inner_fn = mt.compile(inner) if compiled else inner
 
-    def program_fn(op_args, feature):
+    def program_fn(op_args, feature, scalar=0.0):
         nonlocal count
         acc = mt.zeros(())
         last = feature
@@ -127,6 +140,12 @@ def build(program, compiled, seed):
                 acc = acc + loss.detach()
             elif kind == "captured":
                 last = _TANH(last)
+            elif kind == "thread":
+                last = _in_thread(last)
+            elif kind == "scalar_arg":
+                last = _use_scalar(detail, last, scalar)
+            elif kind == "scalar_global":
+                last = _use_scalar(detail, last, FUZZ_SCALAR)
             elif kind == "grad_read":
                 lin.zero_grad()
                 lin(feature).sum().backward()
@@ -166,6 +185,36 @@ def _draw(kind, last):
     return last * mt.bernoulli(mt.full(tuple(last.shape), 0.5))
 
 
+def _in_thread(last):
+    """last * 2 + 1, computed by a thread the function starts and joins."""
+    box = []
+    worker = threading.Thread(target=lambda: box.append(last * 2.0 + 1.0))
+    worker.start()
+    worker.join()
+    return box[0]
+
+
+def _use_scalar(use, last, s):
+    if use == "mul":
+        return last * s
+    if use == "div":
+        return 1.0 / (last * 0.0 + s)
+    if use == "clamp_max":
+        return mt.clamp(last, max=s)
+    if use == "full":
+        return last + mt.full(tuple(last.shape), s).float()
+    if use == "pow":
+        return (last.abs() + 1.0).pow(s)
+    return last * 0.0 + s
+
+
+def _scalar(seed, call):
+    pair = SCALAR_PAIRS[seed % len(SCALAR_PAIRS)]
+    if pair[0] != pair[0]:
+        pair = (float("nan"), float("nan"))           # two NaN objects
+    return pair[0] if call < 2 else pair[call % 2]
+
+
 def _read(kind, acc, last):
     if kind == "item":
         return acc * 2 if acc.item() > 0 else acc - 2
@@ -194,8 +243,13 @@ def run_program(seed):
             warnings.simplefilter("ignore")
             for call in range(CALLS):
                 op_args, feature = _inputs(program, call)
+                kinds = {k for k, _ in program}
+                # a scalar varies only in a program that uses it (else it would key anew)
+                globals()["FUZZ_SCALAR"] = (_scalar(seed + 1, call)
+                                            if "scalar_global" in kinds else 0.0)
+                scalar = _scalar(seed, call) if "scalar_arg" in kinds else 0.0
                 try:
-                    acc, last = fn(op_args, feature)
+                    acc, last = fn(op_args, feature, scalar)
                     outs.append((acc.numpy().copy(), last.numpy().copy()))
                 except Exception as e:                          # noqa: BLE001
                     outs.append(("error", type(e).__name__))
@@ -213,6 +267,8 @@ def run_program(seed):
         return None                                      # both raised alike: nothing to replay
     if refuses and fn.calls["replayed"]:
         return f"program {seed} {program}: replayed though it reads a value: {fn.eager_reasons}"
+    if any(kind in VARYING for kind, _ in program):
+        return None                                      # keys vary per call: no count
     if not refuses and fn.calls["replayed"] != CALLS - 2:
         return f"program {seed} {program}: not replayed: {fn.eager_reasons}"
     return None
@@ -224,7 +280,8 @@ def _same(a, b):
     if isinstance(a, str) or isinstance(b, str):
         return a == b
     a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+    return (a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+            and np.array_equal(np.signbit(a), np.signbit(b)))      # -0.0 is not 0.0
 
 
 def _run(first, count):
@@ -248,3 +305,28 @@ def test_the_fuzzer_finds_a_plan_that_bakes_a_value(monkeypatch):
     monkeypatch.setattr(recorder.Recorder, "seen", lambda self, tensor, what: None)
     failures = [m for m in (run_program(s) for s in range(CI_PROGRAMS)) if m]
     assert failures
+
+
+def _seeds_with(kinds, n, start=0):
+    return [s for s in range(start, start + 2000)
+            if any(k in kinds for k, _ in make_program(s))][:n]
+
+
+def test_the_fuzzer_finds_a_plan_that_bakes_another_threads_result(monkeypatch):
+    """With another thread's ops no longer interrupting a recording, the programs that
+    run an op in a thread replay its first result and the fuzzer reports them."""
+    from microtensor.capture import recorder
+    monkeypatch.setattr(recorder, "_foreign", lambda what, mine=None: None)
+    seeds = _seeds_with({"thread"}, 12)
+    failures = [m for m in (run_program(s) for s in seeds) if m]
+    assert len(failures) >= 3, failures
+
+
+def test_the_fuzzer_finds_a_key_that_ignores_a_zeros_sign_or_a_type(monkeypatch):
+    """With scalars keyed and guarded by value alone (0.0 == -0.0, 2 == 2.0 == True),
+    the programs that use such a scalar replay the other one's plan."""
+    from microtensor.capture import guards
+    monkeypatch.setattr(guards, "scalar_id", lambda v: v)
+    seeds = _seeds_with(VARYING, 60)
+    failures = [m for m in (run_program(s) for s in seeds) if m]
+    assert len(failures) >= 2, failures

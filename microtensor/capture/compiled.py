@@ -126,8 +126,10 @@ class CompiledFunction:
                 # not this call's own doing, perhaps: record the key again later, and
                 # run it eagerly when it keeps happening
                 self._pending.pop(key, None)
+                if len(self._interrupted) >= MAX_REASONS:
+                    self._interrupted.clear()             # bounded bookkeeping
                 count = self._interrupted[key] = self._interrupted.get(key, 0) + 1
-                if count >= MAX_INTERRUPTED or len(self._interrupted) > MAX_REASONS:
+                if count >= MAX_INTERRUPTED:
                     self._give_up(key, recorder.interrupted)
                 return result
             plan = Plan(recorder, inputs, result_template, arena=self.arena, names=names)
