@@ -57,7 +57,7 @@ def block_graph(args, prenorm=True):
     return y, block, calls, {"x": x}
 
 
-def write(graph, out, name, engine):
+def write(graph, out, name, engine, dpi=72):
     """name.dot and name.png in `out`, each written under a temporary name of this
     process and then renamed."""
     dot_path = os.path.join(out, name + ".dot")
@@ -68,7 +68,7 @@ def write(graph, out, name, engine):
     _cli.replace_with(dot_path, write_dot)
     png_path = os.path.join(out, name + ".png")
     try:
-        _cli.replace_with(png_path, lambda tmp: graph.save_png(tmp, dpi=72, engine=engine))
+        _cli.replace_with(png_path, lambda tmp: graph.save_png(tmp, dpi=dpi, engine=engine))
     except (OSError, subprocess.CalledProcessError) as e:
         _cli.fail("graph.py", f"drawing {png_path} failed: {e}", _cli.EXIT_ERROR)
     print(f"  {dot_path}\n  {png_path}  ({graph.num_ops} ops, {len(graph.nodes)} boxes, "
@@ -152,7 +152,7 @@ def animate(args):
     width, height = max(w2, 2 * wd), max(h2, hd) + top
     fig = plt.figure(figsize=(width, height))
     n = len(flow.steps)
-    legend = ("boxes: orange once reached, red at this step\n"
+    legend = ("boxes: light orange once reached, dark orange at this step\n"
               "edges: as wide as the log of the gradient norm sent along them\n"
               "(skip connections orange); beside each addition, the norms of the\n"
               "gradient's two parts: skip (through the addition), branch (through the sublayer)")
@@ -250,7 +250,7 @@ def main(argv=None):
     print("\nloss = sum(tanh(w * x + b) ** 2), x a constant (no gradient, so not drawn):")
     print(mti.to_dot(loss, names=names))
     write(mti.build_graph(loss, names=names, title="loss = sum(tanh(w*x + b)^2)"),
-          args.out, "graph_expression", args.engine)
+          args.out, "graph_expression", args.engine, dpi=160)   # small: drawn large
 
     y, block, calls, names = block_graph(args, prenorm=not args.post_norm)
     kind = "post-norm" if args.post_norm else "pre-norm"
