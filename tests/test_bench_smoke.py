@@ -49,6 +49,14 @@ def test_bench_ops_core_runs():
         assert r["seconds"]["microtensor/fwd+bwd"] > 0
 
 
+def test_bench_linear_prints_every_linear_and_its_ratio():
+    out = run_script("bench_linear.py", "--config", "tiny", "--repeats", "1", "--min-time", "0",
+                     "--allow-busy", "--threads", "1,2")
+    for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head", "step total"):
+        assert out.count(f"| {layer}") == 2, layer          # one row per thread count
+    assert "mt / gemms" in out
+
+
 def test_bench_blas_runs_every_candidate():
     out = run_script("bench_blas.py", "--configs", "tiny", "--repeats", "1", "--min-time", "0",
                      "--allow-busy", "--no-torch", "--json")
