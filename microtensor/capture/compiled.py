@@ -8,12 +8,14 @@
     print(step.plan.summary())           # time per kind of op over the replays
 
 A plan is kept per key: the shapes, dtypes and requires_grad of the tensor arguments,
-the other arguments' types and values (2 and 2.0 are two keys), and the grad mode. Its
-guards (each Module's `training` flag and the identity of its parameters and buffers,
-the Python names the function reads: names.py) must still hold, else the call records
-a new plan. The first two calls of a key run eagerly and are both recorded; the plan
-is trusted only when the two recordings agree (the same ops on the same arguments, the
-same values of the names the function reads), so a value baked in on the first call
+the other arguments' types and values (2, 2.0 and True are three keys; so are 0.0 and
+-0.0: guards.py), and the grad mode. Its guards (the state of every Module the call
+reaches or calls, with its submodules: scalar attributes, the identity of parameters,
+buffers, submodules and hooks; the Python names the function reads: names.py) must
+still hold, else the call records a new plan. The first two calls of a key run eagerly
+and are both recorded; the plan is trusted only when the two recordings agree (the
+same ops on the same arguments, in the same grad modes, the same grad mode left, the
+same values of the names the function reads, the same module states), so a value baked in on the first call
 that changes on the second (a tensor made outside any op, Python control flow that
 took another branch, a counter) is caught, and that key runs eagerly from then on.
 Reading a tensor's value in the function (t.item(), if t > 0:, repr(t), mt.equal, a
@@ -24,13 +26,18 @@ an optimizer reads its param_groups' lr and its step count, every random draw dr
 again from its generator, t.grad is read again.
 
 A compiled function called while another one records (in the same thread) runs its
-Python, so its ops are recorded into the outer plan. Recording is per thread, and a
-plan is replayed by one thread at a time (another waits for it).
+Python, so its ops are recorded into the outer plan. A plan is replayed by one thread at
+a time (another waits for it). An op run in another thread while a call records
+interrupts that recording (its result could reach the function as a constant): the key
+records again later, and runs eagerly after MAX_INTERRUPTED interruptions. Generator
+and async functions run eagerly with a warning (their call returns an object that runs
+the body once, later), as do functions that return an iterator.
 
 What a plan cannot see: Python side effects of the function (printing, appending to a
-list, a counter kept in a list or an attribute) happen on the two recorded calls only;
-attributes of modules other than `training`, `_parameters` and `_buffers` are constants
-of the plan (docs/COMPILE.md has the whole table).
+list) happen on the two recorded calls only; state inside mutable objects other than
+Modules (a counter kept in a list) is a constant of the plan (docs/COMPILE.md has the
+whole table).
+
 The bookkeeping is bounded: at most max_plans plans (pending first calls included),
 MAX_REASONS reasons kept, MAX_WARNINGS warnings per compiled function.
 """
