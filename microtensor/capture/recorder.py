@@ -152,7 +152,7 @@ def _guarded(call, attributes):
 def _hook(tensor, what):
     recorder = getattr(_recording, "recorder", None)
     if len(_open) > (recorder is not None):
-        _foreign(what, recorder)
+        _foreign("an op" if what == NEW_TENSOR else what, recorder)
     if recorder is not None:
         return recorder.seen(tensor, what)
     return None
