@@ -14,8 +14,17 @@ under `pip install .`, through the build_ext below) and without debug informatio
 the line tables of the generated C are most of the compile time and of the .so size, and
 only a debugger reads them; MICROTENSOR_DEBUG=1 keeps them). The flags used are recorded
 in microtensor/_build_config.py, which `mt.show_config()` prints.
+
+A second build reuses the first's work: pip builds this folder in place (build/ stays),
+and a .pyx whose generated .c is newer than the .pyx and every project file it includes
+or cimports is not run through Cython again, nor compiled again when its module in build/
+is newer still, as long as build/microtensor-build.json records the same settings
+(compiler flags, Cython, numpy and scipy versions). Cython's own check would redo every
+module in a fresh pip build environment, whose numpy and scipy .pxd files are always new.
 """
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -159,22 +168,99 @@ directives = {
     "nonecheck": False,
 }
 
+# ---- reuse of an earlier build (see the top) ------------------------------------------
+
+STAMP = os.path.join("build", "microtensor-build.json")
+
+
+def build_settings():
+    """What the generated C and the compiled modules depend on besides the sources."""
+    import Cython
+    import scipy
+    return json.loads(json.dumps({
+        "python": sys.version, "cython": Cython.__version__, "numpy": np.__version__,
+        "scipy": scipy.__version__, "compile_args": compile_args, "link_args": link_args,
+        "macros": macros, "directives": directives, "openmp": openmp,
+        "kernel_targets": KERNEL_TARGETS}))
+
+
+def previous_settings():
+    try:
+        with open(STAMP) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+_DEPENDENCY = re.compile(r'^\s*(?:include\s+"([^"]+)"|from\s+(microtensor[\w.]*)\s+cimport'
+                         r'|cimport\s+(microtensor[\w.]*))', re.M)
+
+
+def project_dependencies(path, seen=None):
+    """path and every project file it includes or cimports, recursively."""
+    seen = set() if seen is None else seen
+    if path in seen or not os.path.exists(path):
+        return seen
+    seen.add(path)
+    with open(path) as f:
+        text = f.read()
+    for include, frm, imp in _DEPENDENCY.findall(text):
+        if include:
+            project_dependencies(os.path.join(os.path.dirname(path), include), seen)
+        else:
+            project_dependencies((frm or imp).replace(".", "/") + ".pxd", seen)
+    return seen
+
+
+def c_is_current(pyx):
+    """Is pyx's generated .c newer than pyx, what it includes or cimports, and setup.py?"""
+    c_file = pyx[:-4] + ".c"
+    if not os.path.exists(c_file):
+        return False
+    newest = max(os.path.getmtime(p) for p in project_dependencies(pyx) | {"setup.py"})
+    return os.path.getmtime(c_file) >= newest
+
+
+settings = build_settings()
+same_settings = previous_settings() == settings
+
 only = [n for n in os.environ.get("MICROTENSOR_BUILD_ONLY", "").split(",") if n]
-extensions = []
+extensions, to_cythonize = [], []
 for pyx in sorted(glob("microtensor/**/*.pyx", recursive=True)):
     name = pyx[:-4].replace(os.sep, ".").replace("/", ".")
     if only and name not in only:
         continue
-    extensions.append(Extension(
-        name, [pyx],
+    current = same_settings and c_is_current(pyx)
+    ext = Extension(
+        name, [pyx[:-4] + ".c" if current else pyx],
         include_dirs=[np.get_include()],
         define_macros=macros,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
-    ))
+    )
+    (extensions if current else to_cythonize).append(ext)
+if to_cythonize:
+    extensions += cythonize(to_cythonize, compiler_directives=directives, nthreads=jobs(),
+                            compile_time_env={"MT_OPENMP": openmp}, force=not same_settings)
+
+
+class IncrementalBuildExt(ParallelBuildExt):
+    """Compiles every module again when the settings changed since the last build;
+    records them once this build succeeded."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not same_settings:
+            self.force = True
+
+    def run(self):
+        super().run()
+        os.makedirs(os.path.dirname(STAMP), exist_ok=True)
+        with open(STAMP, "w") as f:
+            json.dump(settings, f, indent=1)
+
 
 setup(
-    ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=jobs(),
-                          compile_time_env={"MT_OPENMP": openmp}),
-    cmdclass={"build_ext": ParallelBuildExt},
+    ext_modules=extensions,
+    cmdclass={"build_ext": IncrementalBuildExt},
 )
