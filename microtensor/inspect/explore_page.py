@@ -161,7 +161,9 @@ function draw(){
  Object.entries(rect).sort((a,b)=>anc(a[0]).length-anc(b[0]).length).forEach(([g,r])=>{out.push(`<rect class="gbox" x="${r[0]}" y="${r[1]}" width="${r[2]-r[0]}" height="${r[3]-r[1]}" rx="6"/><text class="glabel" data-fold="${esc(g)}" x="${r[0]+4}" y="${r[1]+11}">&#8863; ${esc(g)}</text>`);});
  edges.forEach(e=>{const a=U[e.s],b=U[e.t];const p=[[a.x+a.w/2,a.y+a.h],...e.pts.map(d=>[d.x+d.w/2,d.y+d.h/2]),[b.x+b.w/2,b.y]];
   let d=`M${p[0][0]},${p[0][1]}`;for(let i=1;i<p.length;i++){const m=(p[i-1][1]+p[i][1])/2;d+=`C${p[i-1][0]},${m} ${p[i][0]},${m} ${p[i][0]},${p[i][1]}`;}
-  out.push(`<path class="edge${e.skip?' skip':''}" data-s="${esc(e.s)}" data-t="${esc(e.t)}" data-norm="${e.norm==null?'':e.norm}" stroke="${color(e.norm)}" d="${d}" marker-end="url(#arr)"><title>|g| ${fmt(e.norm)}${e.skip?' (skip connection)':''}</title></path>`);});
+  out.push(`<path class="edge${e.skip?' skip':''}" data-s="${esc(e.s)}" data-t="${esc(e.t)}" data-norm="${e.norm==null?'':e.norm}" stroke="${color(e.norm)}" d="${d}" marker-end="url(#arr)"><title>|g| ${fmt(e.norm)}${e.skip?' (skip connection)':''}</title></path>`);
+  // between folded modules: the norm in words too (the gradient a block sends back)
+  if((U[e.s].g||U[e.t].g)&&e.norm!=null&&p.length===2)out.push(`<text class="note" x="${(p[0][0]+p[1][0])/2+6}" y="${(p[0][1]+p[1][1])/2+4}">|g| ${fmt(e.norm)}</text>`);});
  order.forEach(id=>{const u=U[id],n=N[id];const cls=u.g?'group':n.kind+(n.residual?' resid':'');
   out.push(`<g class="node ${cls}" data-id="${esc(id)}" data-kind="${u.g?'group':n.kind}" data-op="${esc(u.g?'':n.op)}" data-lit="0" transform="translate(${u.x},${u.y})"><rect width="${u.w}" height="${u.h}" rx="5"/><text x="8" y="14">${esc(u.lab)}</text><text class="sub" x="8" y="28">${esc(u.sub)}</text>`);
   if(n&&n.residual)out.push(`<text class="note" x="${u.w+6}" y="13">skip ${fmt(n.residual.skip)}</text><text class="note" x="${u.w+6}" y="27">branch ${fmt(n.residual.branch)}</text>`);
