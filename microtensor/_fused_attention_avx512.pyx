@@ -20,5 +20,5 @@ cdef extern from *:
 include "_fused_attention.pyx"
 
 if not CPU_RUNS_THIS_BUILD:
-    from microtensor.buildinfo import refuse_kernel_build
+    from microtensor._blas_choice import refuse_kernel_build
     refuse_kernel_build(globals(), "AVX-512 (F, BW, VL, DQ), AVX2 and FMA")

@@ -26,5 +26,5 @@ cdef extern from *:
 include "_fused.pyx"
 
 if not CPU_RUNS_THIS_BUILD:
-    from microtensor.buildinfo import refuse_kernel_build
+    from microtensor._blas_choice import refuse_kernel_build
     refuse_kernel_build(globals(), "AVX2 and FMA")

@@ -8,7 +8,7 @@
 # instruction set (`#pragma GCC target` around them, see KERNEL_TARGETS there): this
 # module's import code, Cython's helpers and these lines stay plain x86-64, so importing
 # any build is safe on every CPU, and a build the CPU cannot run refuses every call
-# (microtensor.buildinfo.refuse_kernel_build) instead of executing an unknown instruction.
+# (microtensor._blas_choice.refuse_kernel_build) instead of executing an unknown instruction.
 # The baseline build gets the defaults below.
 cdef extern from *:
     """

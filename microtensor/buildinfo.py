@@ -187,26 +187,3 @@ def show_config(file=None):
 
 __all__ = ["show_config", "config", "cpu_model", "cpu_vendor", "kernel_build", "blas", "gemm_blas",
            "OMP_DEFAULTS"]
-
-
-def refuse_kernel_build(namespace, needs):
-    """Replace every function a per-CPU build of the fused kernels exports with one that
-    raises: called at the end of that module's import where the CPU lacks what the build
-    was compiled for (`needs`), so a call (by hand, by pydoc, by a tool that walks the
-    package) gets an exception instead of an unknown instruction. Plain Python on purpose:
-    nothing here is compiled for the wider target."""
-    module = namespace.get("__name__", "this kernel build")
-
-    def refusing(name):
-        def refused(*args, **kwargs):
-            raise RuntimeError(
-                f"{module}.{name} was compiled for CPUs with {needs}, which this CPU lacks; "
-                f"microtensor loads the widest build this CPU runs by itself "
-                f"(microtensor.nn.functional._fused, see mt.show_config())")
-        refused.__name__ = refused.__qualname__ = name
-        refused.__doc__ = f"Refused on this CPU: {module} needs {needs}."
-        return refused
-
-    for name, value in list(namespace.items()):
-        if not name.startswith("__") and callable(value) and not isinstance(value, type):
-            namespace[name] = refusing(name)
