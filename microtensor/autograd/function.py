@@ -143,6 +143,10 @@ class _FunctionNode(Node):
     (which is the ctx) does: `y.grad_fn.saved_tensors`, `y.grad_fn.my_attribute`."""
     saved_mask = 0        # the engine checks no input's version: saved_tensors checks its own
 
+    def create_graph(self, grad_output):
+        """Each kind below defines its own (this base is never a node of a graph)."""
+        raise NotImplementedError(f"{type(self).__name__} has no create_graph rule")
+
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
