@@ -8,6 +8,15 @@ from microtensor import _blas
 cdef Py_ssize_t _SMALL_MATMUL = 1 << 14   # multiply-adds
 
 
+cdef object _rows(object x):
+    """x (..., K) as a 2-D (rows, K) array. NOTE: not reshape(-1, K): with a size-0 axis
+    (K = 0, or no rows) -1 is ambiguous and numpy refuses."""
+    cdef Py_ssize_t rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    return x.reshape(rows, x.shape[-1])
+
+
 cdef object _mm(object x, object y):
     """x @ y with numpy's semantics; float32/float64 products of 2-D and 3-D operands
     go to microtensor._blas (one thread pool, transposes as flags), the rest to numpy."""
@@ -20,7 +29,7 @@ cdef object _mm(object x, object y):
         return _blas.gemm(x, y, num_threads=nt)
     if x.ndim >= 3 and y.ndim == 2:
         # (..., T, C) @ (C, N): one 2-D product over all rows instead of many small ones
-        out = _blas.gemm(x.reshape(-1, x.shape[-1]), y, num_threads=nt)
+        out = _blas.gemm(_rows(x), y, num_threads=nt)
         return out.reshape(x.shape[:-1] + (y.shape[1],))
     if x.ndim == 3 and y.ndim == 3 and x.shape[0] == y.shape[0]:
         return _blas.batched_gemm(x, y, num_threads=nt)
@@ -50,7 +59,7 @@ cdef class MatmulBackward(Node):
         if self.inputs[1] is not None:
             if b2.ndim == 2 and a2.ndim > 2:
                 # sum over the batch of a_i^T g_i = one 2-D product of the flattened rows
-                db = _mm(a2.reshape(-1, a2.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+                db = _mm(_rows(a2).T, _rows(g))
             else:
                 db = _mm(np.swapaxes(a2, -1, -2), g)
             if b1:

@@ -355,10 +355,9 @@ def logsumexp(x, dim, keepdim=False, keepdims=None):
     cdef Tensor t = _t(x)
     cdef tuple dims = _norm_dims(dim, t._data.ndim)
     for i in dims:
-        if t._data.shape[i] == 0:   # the sum of no exponentials: log 0 = -inf, as torch
-            shape = tuple(1 if k in dims else s for k, s in enumerate(t._data.shape)) if keepdim \
-                else tuple(s for k, s in enumerate(t._data.shape) if k not in dims)
-            return Tensor._wrap(np.full(shape, -np.inf, dtype=t._data.dtype))
+        if t._data.shape[i] == 0:   # the sum of no exponentials: log 0 = -inf, as torch;
+            # through sum, so that the result is in the graph (its gradient: an empty one)
+            return add(sum(x, dim, keepdim), -np.inf)
     m = np.array(amax(x, dim, True)._data, copy=True)
     m[~np.isfinite(m)] = 0      # all -inf gives -inf, a +inf gives inf (as torch), not NaN
     out = add(log(sum(exp(sub(x, m)), dim, True)), m)
