@@ -225,28 +225,26 @@ settings = build_settings()
 same_settings = previous_settings() == settings
 
 only = [n for n in os.environ.get("MICROTENSOR_BUILD_ONLY", "").split(",") if n]
-extensions, to_cythonize = [], []
+extensions = []
 for pyx in sorted(glob("microtensor/**/*.pyx", recursive=True)):
     name = pyx[:-4].replace(os.sep, ".").replace("/", ".")
     if only and name not in only:
         continue
-    current = same_settings and c_is_current(pyx)
-    ext = Extension(
-        name, [pyx[:-4] + ".c" if current else pyx],
+    extensions.append(Extension(
+        name, [pyx[:-4] + ".c"],       # the C that Cython makes of `pyx` in build_ext.run
         include_dirs=[np.get_include()],
         define_macros=macros,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
-    )
-    (extensions if current else to_cythonize).append(ext)
-if to_cythonize:
-    extensions += cythonize(to_cythonize, compiler_directives=directives, nthreads=jobs(),
-                            compile_time_env={"MT_OPENMP": openmp}, force=not same_settings)
+    ))
 
 
 class IncrementalBuildExt(ParallelBuildExt):
-    """Compiles every module again when the settings changed since the last build;
-    records them once this build succeeded."""
+    """Runs Cython only here, when something is built (pip also runs this file to ask for
+    the build requirements and the metadata): for the .pyx whose .c is missing or older
+    than what it depends on, or for all when the settings changed since the last build,
+    which then compiles every module again too. Records the settings once this build
+    succeeded."""
 
     def finalize_options(self):
         super().finalize_options()
@@ -254,6 +252,12 @@ class IncrementalBuildExt(ParallelBuildExt):
             self.force = True
 
     def run(self):
+        stale = [ext for ext in self.extensions
+                 if not (same_settings and c_is_current(ext.sources[0][:-2] + ".pyx"))]
+        if stale:
+            cythonize([Extension(ext.name, [ext.sources[0][:-2] + ".pyx"]) for ext in stale],
+                      compiler_directives=directives, nthreads=jobs(),
+                      compile_time_env={"MT_OPENMP": openmp}, force=True)
         super().run()
         os.makedirs(os.path.dirname(STAMP), exist_ok=True)
         with open(STAMP, "w") as f:
