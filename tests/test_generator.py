@@ -240,7 +240,9 @@ def test_initial_seed_in_a_fresh_process_does_not_reseed(lib, pre):
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the microtensor this process imported (an installed one in CI, where the source
+    # folder at the root is unbuilt), not the repository root
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mt.__file__)))
     code = _FRESH.format(root=root, lib=lib, pre=PRE[pre])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
