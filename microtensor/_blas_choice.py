@@ -11,9 +11,10 @@ module says which library that pointer points into:
 MICROTENSOR_BLAS=auto (the default) takes oneMKL on an Intel CPU when the library is
 there, and scipy's OpenBLAS otherwise; =openblas or =mkl asks for one. Why by vendor:
 on the step's products at one thread, a 2-core Intel Xeon (Sapphire Rapids class) ran
-oneMKL 2026.2 about 20% faster than scipy's OpenBLAS 0.3.30 (benchmarks/bench_blas.py;
-docs/BENCHMARKS.md has the table), while oneMKL is not tuned for AMD's CPUs and AMD
-machines were already ahead on OpenBLAS.
+oneMKL 2026.2 12-15% faster than scipy's OpenBLAS 0.3.30 in the cpu and mid configs
+(benchmarks/bench_blas.py; docs/BENCHMARKS.md has the table), while on a 2-core AMD EPYC
+(family 25, AVX-512) oneMKL was no faster, and 18% slower at mid (docs/BENCHMARKS.md,
+"Which BLAS on AMD"). oneMKL is an optional dependency: `pip install "microtensor[mkl]"`.
 
 oneMKL is asked for its sequential layer (microtensor runs its own OpenMP threads and
 calls one single-threaded gemm per thread). If something else in the process already
