@@ -117,6 +117,8 @@ from microtensor.ops_index import (
     rot90, masked_select, sort, argsort, msort,
     topk, kthvalue, flip, fliplr, flipud, roll, repeat_interleave, tile, narrow, select,
     unbind, movedim, moveaxis, swapaxes, swapdims, t, diagonal, diag, trace,
+)
+from microtensor.ops_creation import (
     broadcast_shapes, broadcast_to, broadcast_tensors, atleast_1d, atleast_2d, hstack,
     vstack, column_stack, meshgrid,
 )

@@ -49,10 +49,10 @@ def kernel_build():
                  "compiler": b.COMPILER}
     except ImportError:   # built before setup.py recorded its flags
         build = {"compile_args": None, "openmp": None, "native": None, "compiler": None}
-    from microtensor.nn import functional as F
-    from microtensor.nn._functional_common import _cpu_has_avx2_fma, _cpu_has_avx512
-    build["fused_kernels"] = getattr(F._fused, "TARGET", "baseline")
-    build["attention_kernels"] = getattr(F._attention, "TARGET", "baseline")
+    from microtensor._blas_choice import _cpu_has_avx2_fma, _cpu_has_avx512, loaded_kernels
+    fused, attention = loaded_kernels()
+    build["fused_kernels"] = getattr(fused, "TARGET", "baseline")
+    build["attention_kernels"] = getattr(attention, "TARGET", "baseline")
     build["cpu_has_avx2_fma"] = _cpu_has_avx2_fma()
     build["cpu_has_avx512"] = _cpu_has_avx512()
     build["MICROTENSOR_KERNELS"] = os.environ.get("MICROTENSOR_KERNELS", "auto")

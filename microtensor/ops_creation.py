@@ -1,5 +1,6 @@
 """PyTorch's creation helpers beyond the core's: eye, *_like, Tensor.new_*, as_tensor,
-logspace, index grids, and random sampling (bernoulli, normal, poisson and their in-place
+logspace, index grids, tensors built from others (broadcast_*, atleast_*, the stacks,
+meshgrid), and random sampling (bernoulli, normal, poisson and their in-place
 forms) from the core's generator, so mt.manual_seed makes them reproducible."""
 import numpy as np
 
@@ -215,9 +216,75 @@ def random_(self, from_=0, to=None, generator=None):
     return _fill_inplace("random_", self, _generator(generator).integers(from_, to, self._data.shape))
 
 
+# ---- tensors built from others: broadcasting, stacks, coordinate grids --------------
+
+def broadcast_shapes(*shapes):
+    try:
+        return tuple(np.broadcast_shapes(*[(s,) if isinstance(s, int) else tuple(s)
+                                           for s in shapes]))
+    except ValueError:
+        raise _core.ShapeError(f"broadcast_shapes: shapes {shapes} cannot be broadcast "
+                               "together") from None
+
+
+def broadcast_to(input, size):
+    return _core.expand(input, *size)
+
+
+def broadcast_tensors(*tensors):
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    shape = broadcast_shapes(*[_tensor(x, "broadcast_tensors").shape for x in tensors])
+    return tuple(x if x.shape == shape else _core.expand(x, *shape) for x in tensors)
+
+
+def atleast_1d(input):
+    return _core.reshape(input, 1) if input.ndim == 0 else input
+
+
+def atleast_2d(input):
+    x = atleast_1d(input)
+    return _core.unsqueeze(x, 0) if x.ndim == 1 else x
+
+
+def hstack(tensors):
+    tensors = [atleast_1d(x) for x in tensors]
+    return _core.cat(tensors, 0 if tensors[0].ndim == 1 else 1)
+
+
+def vstack(tensors):
+    return _core.cat([atleast_2d(x) for x in tensors], 0)
+
+
+def column_stack(tensors):
+    return _core.cat([_core.reshape(x, -1, 1) if x.ndim <= 1 else x for x in tensors], 1)
+
+
+def meshgrid(*tensors, indexing="ij"):
+    """Coordinate grids from 1-D tensors; 'ij' (matrix) or 'xy' (Cartesian) indexing."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    if indexing not in ("ij", "xy"):
+        raise ValueError(f"meshgrid: indexing must be 'ij' or 'xy', got {indexing!r}")
+    for x in tensors:
+        if _tensor(x, "meshgrid").ndim > 1:
+            raise RuntimeError(f"meshgrid: expects 0-D or 1-D tensors, got {x.ndim}-D")
+    sizes = [x.numel() for x in tensors]
+    swap = indexing == "xy" and len(tensors) >= 2
+    if swap:
+        sizes[0], sizes[1] = sizes[1], sizes[0]
+    out = []
+    for i, x in enumerate(tensors):
+        axis = (1 - i if i < 2 else i) if swap else i
+        shape = [1] * len(tensors)
+        shape[axis] = sizes[axis]
+        out.append(_core.expand(_core.reshape(x, *shape), *sizes))
+    return tuple(out)
+
+
 TENSOR_METHODS = [
     (name, globals()[name]) for name in (
         "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "type_as", "half",
-        "bernoulli", "bernoulli_", "exponential_", "random_",
+        "bernoulli", "bernoulli_", "exponential_", "random_", "broadcast_to",
     )
 ]

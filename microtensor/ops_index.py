@@ -544,76 +544,12 @@ def trace(input):
     return _core.sum(diagonal(x))
 
 
-def broadcast_shapes(*shapes):
-    try:
-        return tuple(np.broadcast_shapes(*[(s,) if isinstance(s, int) else tuple(s)
-                                           for s in shapes]))
-    except ValueError:
-        raise _core.ShapeError(f"broadcast_shapes: shapes {shapes} cannot be broadcast "
-                               "together") from None
-
-
-def broadcast_to(input, size):
-    return _core.expand(input, *size)
-
-
-def broadcast_tensors(*tensors):
-    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
-        tensors = tuple(tensors[0])
-    shape = broadcast_shapes(*[_tensor(x, "broadcast_tensors").shape for x in tensors])
-    return tuple(x if x.shape == shape else _core.expand(x, *shape) for x in tensors)
-
-
-def atleast_1d(input):
-    return _core.reshape(input, 1) if input.ndim == 0 else input
-
-
-def atleast_2d(input):
-    x = atleast_1d(input)
-    return _core.unsqueeze(x, 0) if x.ndim == 1 else x
-
-
-def hstack(tensors):
-    tensors = [atleast_1d(x) for x in tensors]
-    return _core.cat(tensors, 0 if tensors[0].ndim == 1 else 1)
-
-
-def vstack(tensors):
-    return _core.cat([atleast_2d(x) for x in tensors], 0)
-
-
-def column_stack(tensors):
-    return _core.cat([_core.reshape(x, -1, 1) if x.ndim <= 1 else x for x in tensors], 1)
-
-
-def meshgrid(*tensors, indexing="ij"):
-    """Coordinate grids from 1-D tensors; 'ij' (matrix) or 'xy' (Cartesian) indexing."""
-    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
-        tensors = tuple(tensors[0])
-    if indexing not in ("ij", "xy"):
-        raise ValueError(f"meshgrid: indexing must be 'ij' or 'xy', got {indexing!r}")
-    for x in tensors:
-        if _tensor(x, "meshgrid").ndim > 1:
-            raise RuntimeError(f"meshgrid: expects 0-D or 1-D tensors, got {x.ndim}-D")
-    sizes = [x.numel() for x in tensors]
-    swap = indexing == "xy" and len(tensors) >= 2
-    if swap:
-        sizes[0], sizes[1] = sizes[1], sizes[0]
-    out = []
-    for i, x in enumerate(tensors):
-        axis = (1 - i if i < 2 else i) if swap else i
-        shape = [1] * len(tensors)
-        shape[axis] = sizes[axis]
-        out.append(_core.expand(_core.reshape(x, *shape), *sizes))
-    return tuple(out)
-
-
 TENSOR_METHODS = [
     (name, globals()[name]) for name in (
         "gather", "take_along_dim", "take", "scatter", "scatter_add", "index_add", "index_fill",
         "tensor_split", "rot90", "masked_select", "sort",
         "argsort", "msort", "topk", "kthvalue", "flip", "fliplr", "flipud", "roll", "repeat",
         "tile", "repeat_interleave", "narrow", "select", "unbind", "movedim", "moveaxis",
-        "swapaxes", "swapdims", "t", "diagonal", "diag", "trace", "broadcast_to",
+        "swapaxes", "swapdims", "t", "diagonal", "diag", "trace",
     )
 ]

@@ -201,6 +201,6 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
         return logits.argmax(axis=-1)[:, None].astype(np.int64)
     probs = sampling_probs(logits, temperature, top_k, top_p)
     cdf = np.cumsum(probs, axis=-1)  # (B, vocab)
-    u = mt._core.default_generator().random((probs.shape[0], 1)) * cdf[:, -1:]
+    u = mt.rand(probs.shape[0], 1, dtype=mt.float64).numpy() * cdf[:, -1:]
     choice = (cdf <= u).sum(axis=-1)  # first index whose cdf exceeds u
     return np.minimum(choice, probs.shape[-1] - 1)[:, None].astype(np.int64)

@@ -1,9 +1,10 @@
 """The helpers that F's fused ops share: argument checks (float tensors of one dtype,
 the `reduction` option), the dtype error they raise, array plumbing (contiguous
 copies, private index copies, upstream gradients in the right shape and dtype), the
-thread count a kernel of a given size gets, and the loader that picks the AVX2+FMA or
-the baseline build of the kernels. `microtensor.nn.functional` loads the kernels once
-and holds them as `_fused` and `_attention`; the op modules read them there.
+thread count a kernel of a given size gets. The loader that picks the build of the
+kernels (AVX-512, AVX2+FMA or baseline) is microtensor._blas_choice's, imported here;
+`microtensor.nn.functional` loads the kernels once and holds them as `_fused` and
+`_attention`; the op modules read them there.
 """
 import numpy as np
 
@@ -15,92 +16,12 @@ from microtensor._core import Tensor
 declare_saved = _core.declare_saved
 
 
-def _cpu_features():
-    """The CPU's features as numpy found them at its import ({} where it cannot say)."""
-    try:
-        from numpy._core._multiarray_umath import __cpu_features__ as features
-    except ImportError:
-        try:
-            from numpy.core._multiarray_umath import __cpu_features__ as features
-        except ImportError:
-            return {}
-    return features
-
-
-def _cpu_has_avx2_fma():
-    """Does this CPU run the AVX2+FMA build of the kernels?"""
-    f = _cpu_features()
-    return bool(f.get("AVX2")) and bool(f.get("FMA3"))
-
-
-def _cpu_has_avx512():
-    """Does this CPU run the AVX-512 build (F, BW, VL and DQ, with AVX2 and FMA)?"""
-    f = _cpu_features()
-    return _cpu_has_avx2_fma() and all(f.get(k) for k in ("AVX512F", "AVX512BW", "AVX512VL",
-                                                          "AVX512DQ"))
-
-
-# the builds of the fused kernels, widest first: (name, fused module, attention module,
-# does the CPU run it?)
-KERNEL_BUILDS = (
-    ("avx512", "_fused_avx512", "_fused_attention_avx512", _cpu_has_avx512),
-    ("avx2", "_fused_avx2", "_fused_attention_avx2", _cpu_has_avx2_fma),
-    ("baseline", "_fused", "_fused_attention", lambda: True),
+# the CPU's features and the choice of kernel build live with the engine's other
+# import-time choices (microtensor/_blas_choice.py); F loads the chosen pair
+from microtensor._blas_choice import (  # noqa: E402,F401  (names the tests and benchmarks read)
+    _cpu_features, _cpu_has_avx2_fma, _cpu_has_avx512, KERNEL_BUILDS, _kernel_request,
+    _import_build, kernel_builds_here, _load_kernels,
 )
-
-
-def _kernel_request():
-    """MICROTENSOR_KERNELS: auto (the widest build the CPU runs), avx512, avx2 or
-    baseline (the widest the CPU runs, up to the one named)."""
-    import os
-    import warnings
-    request = os.environ.get("MICROTENSOR_KERNELS", "auto").strip().lower() or "auto"
-    names = [b[0] for b in KERNEL_BUILDS]
-    if request != "auto" and request not in names:
-        warnings.warn(f"MICROTENSOR_KERNELS={request!r} is not one of auto, "
-                      f"{', '.join(names)}; using auto", RuntimeWarning, stacklevel=3)
-        request = "auto"
-    return request
-
-
-def _import_build(fused, attention):
-    """(fused module, attention module) of one build, or None where this installation
-    lacks it (another platform) or the build says this CPU cannot run it (each per-CPU
-    build checks the CPU itself at import, with the compiler's own test; importing one is
-    safe on any CPU, see microtensor/_kernel_target.pxi)."""
-    import importlib
-    try:
-        pair = (importlib.import_module("microtensor." + fused),
-                importlib.import_module("microtensor." + attention))
-    except ImportError:
-        return None
-    if not all(getattr(m, "CPU_RUNS_THIS_BUILD", True) for m in pair):
-        return None
-    return pair
-
-
-def kernel_builds_here():
-    """[(name, fused module, attention module)] for every build of the kernels this CPU
-    runs and this installation has, widest first (the tests and
-    benchmarks/bench_kernels.py compare them)."""
-    found = [(name, _import_build(fused, attention))
-             for name, fused, attention, runs_here in KERNEL_BUILDS if runs_here()]
-    return [(name, pair[0], pair[1]) for name, pair in found if pair is not None]
-
-
-def _load_kernels():
-    """The fused kernels: the widest build the CPU runs (AVX-512, AVX2+FMA, baseline), or
-    no wider than MICROTENSOR_KERNELS names (to test or compare the builds). Only the
-    chosen build is imported."""
-    request = _kernel_request()
-    names = [b[0] for b in KERNEL_BUILDS]
-    builds = KERNEL_BUILDS if request == "auto" else KERNEL_BUILDS[names.index(request):]
-    for name, fused, attention, runs_here in builds:
-        pair = runs_here() and _import_build(fused, attention)
-        if pair:
-            return pair
-    from microtensor import _fused, _fused_attention
-    return _fused, _fused_attention
 
 
 # ---- small helpers -----------------------------------------------------------------
