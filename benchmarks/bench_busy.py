@@ -29,8 +29,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOPS = ("mlp-small", "mlp-wide", "gpt-tiny", "gpt-cpu")
-# (steps timed, warmup) per loop: a few seconds each at one thread on a 2-core machine
-STEPS = {"mlp-small": (400, 50), "mlp-wide": (200, 20), "gpt-tiny": (60, 5), "gpt-cpu": (20, 3)}
+# (steps timed, warmup) per loop: one to two seconds each at one thread on a 2-core
+# machine (a tenth of a second, as mlp-small had, measured where the scheduler put the
+# fresh process more than the loop: medians 0.24-0.33 ms for the same step)
+STEPS = {"mlp-small": (4000, 200), "mlp-wide": (500, 20), "gpt-tiny": (150, 5),
+         "gpt-cpu": (25, 3)}
 
 
 def _mlp_step(width):
@@ -122,9 +125,12 @@ def main(argv=None):
         print("| loop | default | 1 thread | ratio |\n|---|---:|---:|---:|")
         for loop in args.loops.split(","):
             d, o = [], []
-            for _ in range(args.rounds):
-                d.append(run_child(loop, None, env))
-                o.append(run_child(loop, 1, env))
+            for r in range(args.rounds):
+                # NOTE: the order alternates: a child that follows the other kind's child
+                # was measurably slower (0.36 against 0.25 ms, mlp-small, one busy
+                # process), a bias that always hit the default when it ran first
+                for threads in ((None, 1) if r % 2 == 0 else (1, None)):
+                    (d if threads is None else o).append(run_child(loop, threads, env))
             md = sorted(r["ms_median"] for r in d)[len(d) // 2]
             mo = sorted(r["ms_median"] for r in o)[len(o) // 2]
             results.append({"loop": loop, "default_threads": d[0]["threads"],

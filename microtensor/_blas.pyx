@@ -22,8 +22,8 @@ the Python entry), which the attention kernels call too.
 import numpy as np
 from cython.parallel cimport prange
 cimport cython
-from microtensor._common cimport (real, bounded_threads, threads_for, MT_PARALLEL_MIN_SCALE,
-                                  gemm as rowmajor_gemm, use_gemm)
+from microtensor._common cimport (real, bounded_threads, threads_for, team_of, use_team,
+                                  MT_PARALLEL_MIN_SCALE, gemm as rowmajor_gemm, use_gemm)
 from microtensor import _blas_choice
 
 # Parallel threshold (multiply-adds, M * N * K; see threads_for in _common.pxd): sgemm
@@ -32,6 +32,189 @@ from microtensor import _blas_choice
 # runs): about 50 us at the bound. (It was 1 << 17, about 4 us: a small model's every
 # matmul went parallel.)
 cdef double _PARALLEL_MIN_FLOPS = 1 << 21
+
+
+# ---- the team: how many threads run a parallel region now ---------------------------
+#
+# The configured count (mt.set_num_threads) splits the work; the team is the threads that
+# run the pieces (see team_of in _common.pxd). It is the configured count on a quiet
+# machine, and shrinks while other processes keep cores busy: every 0.1 s (checked when a
+# kernel opens a parallel region, no thread of its own) the team reads how busy the CPUs
+# this process may run on were (/proc/stat: user, system, irq, softirq and steal time,
+# not `nice` time, which yields to us), takes away this process's own CPU time
+# (CLOCK_PROCESS_CPUTIME_ID), and so knows the cores other processes held. The team is
+# the cores left, rounded up from 0.6: fewer at once, more only after two windows agree.
+# Where /proc/stat cannot be read (not Linux) the team is the configured count.
+cdef extern from *:
+    """
+    #include <sched.h>
+    #include <stdio.h>
+    #include <time.h>
+    #include <unistd.h>
+
+    #define MT_TEAM_WINDOW 0.1   /* seconds between two readings of the load */
+    #define MT_TEAM_MAX_CPU 1024
+
+    typedef struct {
+        int adaptive;      /* 1: follow the load; 0: the team is the configured count */
+        int forced;        /* > 0: the team is at most this (tests, benchmarks) */
+        int cap;           /* the team the last windows allow */
+        int rising;        /* windows in a row that allowed more than cap */
+        int lock;          /* one thread reads the load at a time */
+        int ready;         /* a first reading exists */
+        int cpus;          /* CPUs of this process's affinity mask seen in /proc/stat */
+        double wall, self, busy, others, hz;
+        unsigned char allowed[MT_TEAM_MAX_CPU];
+    } mt_team_t;
+
+    static mt_team_t mt_team_state = {1, 0, 256, 0, 0, 0, 0, 0, 0, 0, 0, 100};
+
+    static double mt_clock(clockid_t which) {
+        struct timespec t;
+        clock_gettime(which, &t);
+        return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    }
+
+    /* The CPUs this process may run on, and the clock tick of /proc/stat. */
+    static void mt_team_init(void) {
+        cpu_set_t set;
+        int cpu;
+        mt_team_t* s = &mt_team_state;
+        CPU_ZERO(&set);
+        if (sched_getaffinity(0, sizeof set, &set) == 0) {
+            for (cpu = 0; cpu < MT_TEAM_MAX_CPU && cpu < CPU_SETSIZE; cpu++)
+                s->allowed[cpu] = CPU_ISSET(cpu, &set) ? 1 : 0;
+        } else {
+            for (cpu = 0; cpu < MT_TEAM_MAX_CPU; cpu++) s->allowed[cpu] = 1;
+        }
+        s->hz = (double)sysconf(_SC_CLK_TCK);
+        if (s->hz <= 0) s->hz = 100;
+    }
+
+    /* Busy ticks of the allowed CPUs (user + system + irq + softirq + steal) since boot,
+       and how many allowed CPUs /proc/stat lists; -1 when it cannot be read. */
+    static int mt_busy_ticks(double* busy) {
+        char line[256];
+        int seen = 0, cpu;
+        unsigned long long user, nice, sys, idle, iowait, irq, softirq, steal;
+        FILE* f = fopen("/proc/stat", "r");
+        if (f == NULL) return -1;
+        *busy = 0;
+        while (fgets(line, sizeof line, f) != NULL) {
+            if (line[0] != 'c' || line[1] != 'p' || line[2] != 'u') break;  /* past the CPUs */
+            if (line[3] < '0' || line[3] > '9') continue;                   /* the total */
+            steal = 0;
+            if (sscanf(line + 3, "%d %llu %llu %llu %llu %llu %llu %llu %llu", &cpu, &user,
+                       &nice, &sys, &idle, &iowait, &irq, &softirq, &steal) < 8) continue;
+            if (cpu < 0 || cpu >= MT_TEAM_MAX_CPU || !mt_team_state.allowed[cpu]) continue;
+            *busy += (double)(user + sys + irq + softirq + steal);
+            seen++;
+        }
+        fclose(f);
+        return seen > 0 ? seen : -1;
+    }
+
+    /* One window: how many cores other processes held, and the team that leaves. */
+    static void mt_team_sample(double now) {
+        mt_team_t* s = &mt_team_state;
+        double busy, self, dt, others;
+        int fit, cpus = mt_busy_ticks(&busy);
+        if (cpus < 0) {                       /* no /proc/stat: no load to follow */
+            s->adaptive = 0;
+            s->cap = 256;
+            return;
+        }
+        self = mt_clock(CLOCK_PROCESS_CPUTIME_ID);
+        dt = now - s->wall;
+        if (s->ready && dt > 0) {
+            others = ((busy - s->busy) / s->hz - (self - s->self)) / dt;
+            s->others = others > 0 ? others : 0;
+            fit = (int)((double)cpus - s->others + 0.4);
+            if (fit < 1) fit = 1;
+            if (fit < s->cap) {
+                s->cap = fit;
+                s->rising = 0;
+            } else if (fit > s->cap) {
+                if (++s->rising >= 2) { s->cap = fit; s->rising = 0; }
+            } else {
+                s->rising = 0;
+            }
+        }
+        s->cpus = cpus;
+        s->wall = now;
+        s->self = self;
+        s->busy = busy;
+        s->ready = 1;
+    }
+
+    /* The team for a region split into n pieces: n, or fewer while the load says so. */
+    static int mt_team(int n) {
+        mt_team_t* s = &mt_team_state;
+        double now;
+        int cap;
+        if (n <= 1) return 1;
+        if (s->forced > 0) return n < s->forced ? n : s->forced;
+        if (!s->adaptive) return n;
+        now = mt_clock(CLOCK_MONOTONIC);
+        if (now - s->wall >= MT_TEAM_WINDOW
+                && __atomic_exchange_n(&s->lock, 1, __ATOMIC_ACQUIRE) == 0) {
+            if (now - s->wall >= MT_TEAM_WINDOW) mt_team_sample(now);
+            __atomic_store_n(&s->lock, 0, __ATOMIC_RELEASE);
+        }
+        cap = s->cap;
+        return n < cap ? n : cap;
+    }
+    """
+    ctypedef struct mt_team_t:
+        int adaptive, forced, cap, cpus, ready
+        double others
+    mt_team_t mt_team_state
+    void mt_team_init() noexcept nogil
+    int mt_team(int n) noexcept nogil
+
+
+mt_team_init()
+use_team(<size_t>&mt_team)
+# MICROTENSOR_ADAPTIVE_THREADS=0: always run the configured count, whatever the load
+if __import__("os").environ.get("MICROTENSOR_ADAPTIVE_THREADS", "1").strip() == "0":
+    mt_team_state.adaptive = 0
+
+
+def team_pointer():
+    """The address of the team function, for the other extensions (use_team at import)."""
+    return <size_t>&mt_team
+
+
+def team(int n):
+    """How many threads run a region split into n pieces now (n on a quiet machine)."""
+    if n < 1:
+        raise ValueError(f"team: the number of pieces must be at least 1, got {n}")
+    return mt_team(n)
+
+
+def set_team(adaptive=None, limit=None):
+    """adaptive: follow the load (True, the default) or always run the configured count
+    (False). limit: run at most this many threads (a test of the fixed split, or a
+    benchmark), 0 or None to lift it. Returns team_info() as it was before."""
+    before = team_info()
+    if adaptive is not None:
+        mt_team_state.adaptive = 1 if adaptive else 0
+        mt_team_state.cap = 256
+        mt_team_state.ready = 0
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"set_team: limit must be an int >= 0, got {limit!r}")
+        mt_team_state.forced = limit
+    return before
+
+
+def team_info():
+    """The team's state: adaptive, limit, cap (the threads the load allows now, 256 when
+    it allows any), cpus (this process's CPUs) and others (cores other processes held in
+    the last window)."""
+    return {"adaptive": bool(mt_team_state.adaptive), "limit": mt_team_state.forced,
+            "cap": mt_team_state.cap, "cpus": mt_team_state.cpus,
+            "others": mt_team_state.others}
 
 
 # ---- scipy's OpenBLAS: one thread, once ---------------------------------------------
@@ -73,9 +256,11 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
     # the flags as BLAS reads them, 'N' or 'T' (the operand swap is rowmajor_gemm's)
     fb = b'N' if tb == b'N' else b'T'
     fa = b'N' if ta == b'N' else b'T'
+    # NOTE: the split follows the configured count, the team only runs it: OpenBLAS picks
+    # its kernel by block shape, so another split could change float32 bits
     nchunks = nthreads if M >= nthreads else 1
     chunk = (M + nchunks - 1) // nchunks
-    for i in prange(nchunks, nogil=True, num_threads=nchunks, schedule="static"):
+    for i in prange(nchunks, nogil=True, num_threads=team_of(nchunks), schedule="static"):
         r0 = i * chunk
         rows = M - r0 if M - r0 < chunk else chunk
         if rows > 0:

@@ -44,12 +44,48 @@ cdef extern from *:
     double MT_PARALLEL_MIN_SCALE
 
 
+# ---- the team: the threads a parallel region takes now ---------------------------------
+#
+# num_threads (mt.set_num_threads) is the *configured* count: it fixes how a kernel splits
+# its work (the gemm's row blocks, the layer norm's partial sums, clipping's partial
+# sums), so a given seed gives the same bits whatever runs it. The *team* is how many
+# threads run those pieces now: the configured count, or fewer while other processes hold
+# cores (a waiting thread whose partner lost its core is what made 2 threads slower than
+# 1 on a busy machine). microtensor._blas measures that (mt_team, "the team" there) and
+# every extension reaches it through this pointer, set at import by use_team; until then
+# the team is the configured count.
+cdef extern from *:
+    """
+    typedef int (*mt_team_ptr)(int);
+    static mt_team_ptr mt_team_fn = 0;
+    """
+    ctypedef int (*mt_team_ptr)(int) noexcept nogil
+    mt_team_ptr mt_team_fn
+
+
+cdef inline void use_team(size_t f) noexcept nogil:
+    """Point this extension's team at microtensor._blas's (its address, team_pointer())."""
+    global mt_team_fn
+    mt_team_fn = <mt_team_ptr>f
+
+
+cdef inline int team_of(long num_threads) noexcept nogil:
+    """The threads that run a region split into num_threads pieces: num_threads clamped to
+    [1, 256], fewer while other processes hold cores. Never changes a result: only the
+    split (num_threads) does."""
+    cdef int n = bounded_threads(num_threads)
+    if n > 1 and mt_team_fn != NULL:
+        return mt_team_fn(n)
+    return n
+
+
 cdef inline int threads_for(double work, double min_work, long num_threads) noexcept nogil:
     """The team for `work` units when `min_work` is the kernel's threshold: one thread
-    below it, else num_threads clamped to [1, 256] (bounded_threads)."""
+    below it, else team_of(num_threads). Only for kernels whose pieces do not depend on
+    the team (rows, elements, (b, h) pairs, a split the caller fixed)."""
     if work < min_work * MT_PARALLEL_MIN_SCALE:
         return 1
-    return bounded_threads(num_threads)
+    return team_of(num_threads)
 
 
 # ---- the one gemm ----------------------------------------------------------------------

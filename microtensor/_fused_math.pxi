@@ -20,7 +20,11 @@ cdef extern from *:
 from libc.math cimport exp, expf, log, sqrt, erf, erfc, fabs, fabsf, INFINITY, NAN
 from libc.stdlib cimport malloc, free
 # the float types (real) and the thread bound (bounded_threads, threads_for) of every extension
-from microtensor._common cimport real, bounded_threads, threads_for
+from microtensor._common cimport real, bounded_threads, threads_for, use_team
+from microtensor._blas import team_pointer as _team_pointer
+
+if CPU_RUNS_THIS_BUILD:     # use_team is compiled for this build's CPU (see _kernel_target.pxi)
+    use_team(_team_pointer())   # the team microtensor._blas measures (team_of in _common.pxd)
 
 
 cdef union _f32_bits:

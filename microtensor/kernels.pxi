@@ -6,7 +6,10 @@ from cython.parallel cimport prange
 from libc.math cimport exp as c_exp, log as c_log, sqrt as c_sqrt, fabs, INFINITY
 cimport cython
 
-from microtensor._common cimport real, threads_for   # float32 and float64; the team size
+from microtensor._common cimport real, threads_for, use_team, MT_PARALLEL_MIN_SCALE   # float32 and float64; the team
+from microtensor._blas import team_pointer as _team_pointer
+
+use_team(_team_pointer())   # the team microtensor._blas measures (team_of in _common.pxd)
 
 # The thread policy is microtensor.threads.default_num_threads() (OMP_NUM_THREADS, else
 # the physical cores, within the container's CPU quota): microtensor/__init__.py sets it
@@ -225,11 +228,26 @@ def scatter_add_rows(real[:, ::1] dst, const long long[::1] index, const real[:,
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def sum_of_squares(const real[::1] x, int num_threads=1):
-    """sum(x^2) accumulated in double, in one pass (clip_grad_norm_'s inner loop)."""
-    cdef Py_ssize_t i, n = x.shape[0]
+    """sum(x^2) accumulated in double, in one pass (clip_grad_norm_'s inner loop).
+
+    The elements are split into num_threads pieces (one piece below the threshold), each
+    summed in order, and the pieces added in order: the same bits whatever team runs them."""
+    cdef Py_ssize_t c, i, i0, i1, chunk, pieces, n = x.shape[0]
     cdef double total = 0
+    cdef double s
+    cdef double[::1] partial
     _bounded_threads(num_threads, "sum_of_squares")
-    for i in prange(n, nogil=True, num_threads=threads_for(n, _PARALLEL_MIN, num_threads),
+    pieces = 1 if n < _PARALLEL_MIN * MT_PARALLEL_MIN_SCALE else num_threads
+    chunk = (n + pieces - 1) // pieces if n > 0 else 0
+    partial = np.zeros(pieces)
+    for c in prange(pieces, nogil=True, num_threads=threads_for(n, _PARALLEL_MIN, pieces),
                     schedule="static"):
-        total += <double>x[i] * x[i]
+        i0 = c * chunk
+        i1 = i0 + chunk if i0 + chunk < n else n
+        s = 0
+        for i in range(i0, i1):
+            s = s + <double>x[i] * x[i]
+        partial[c] = s
+    for c in range(pieces):
+        total += partial[c]
     return total

@@ -11,6 +11,14 @@ the process and calls it for us.
     mt.set_num_threads(2)        # microtensor's kernels and matmuls (OpenMP)
     set_threads(2)               # both at once
     set_threads()                # both, to default_num_threads(): the physical cores
+
+The count set with mt.set_num_threads is the *configured* count: it fixes how each kernel
+splits its work, so a given seed gives the same bits. The threads that run the pieces
+(the *team*) are that count on a quiet machine and fewer while other processes keep the
+CPUs busy (a build, a test run, a second training job), measured every 0.1 s from
+/proc/stat: a thread that waits for a partner who lost its core is what made two threads
+slower than one on a busy machine. team_size() says how many run now; adaptive_threads(False)
+(or MICROTENSOR_ADAPTIVE_THREADS=0) always runs the configured count.
 """
 import ctypes
 import os
@@ -68,6 +76,29 @@ def blas_info():
     return [{"path": lib.filepath, "num_threads": lib.num_threads,
              "corename": getattr(lib, "architecture", None), "config": _config(lib)}
             for lib in _loaded_blas()]
+
+
+# ---- the team: the threads that run now ------------------------------------------------
+
+def team_size():
+    """How many threads run microtensor's parallel kernels now: mt.get_num_threads() on a
+    quiet machine, fewer while other processes hold the CPUs (see the module docstring).
+    The split of the work, and so every result, follows mt.get_num_threads() only."""
+    from microtensor import _blas
+    return _blas.team(_core.get_num_threads())
+
+
+def adaptive_threads(enabled=None):
+    """Whether the team follows the machine's load (True by default). adaptive_threads(False)
+    always runs mt.get_num_threads() threads, adaptive_threads(True) follows the load
+    again; called without an argument it only answers. Returns the setting before."""
+    from microtensor import _blas
+    before = _blas.team_info()["adaptive"]
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"adaptive_threads takes True or False, got {enabled!r}")
+        _blas.set_team(adaptive=enabled)
+    return before
 
 
 # ---- the default thread count ------------------------------------------------------
