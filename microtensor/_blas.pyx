@@ -246,28 +246,48 @@ def pin_blas_threads():
 cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
                      real* a, int lda, real* b, int ldb, real beta,
                      real* c, int nthreads) noexcept nogil:
-    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C, rows split over threads.
+    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C, split into nthreads blocks
+    of C's rows (M >= N) or of its columns (M < N), run by the team.
 
     a: A's storage; ta = 'N' when it is (M, K) row-major, 'T' when it is (K, M).
-    b: B's storage; tb = 'N' when it is (K, N) row-major, 'T' when it is (N, K)."""
+    b: B's storage; tb = 'N' when it is (K, N) row-major, 'T' when it is (N, K).
+
+    Each block's gemm packs the operand it shares with the others again, so the split
+    runs along C's longer side: splitting rows repacks B (K x N), splitting columns
+    repacks A (M x K), and the smaller is repacked. That matters most when the team is
+    smaller than the split (a busy machine: one thread runs every block)."""
     cdef int chunk, i, r0, rows, nchunks
     cdef char fa, fb
     cdef real* a_block
+    cdef real* b_block
     # the flags as BLAS reads them, 'N' or 'T' (the operand swap is rowmajor_gemm's)
     fb = b'N' if tb == b'N' else b'T'
     fa = b'N' if ta == b'N' else b'T'
-    # NOTE: the split follows the configured count, the team only runs it: OpenBLAS picks
-    # its kernel by block shape, so another split could change float32 bits
-    nchunks = nthreads if M >= nthreads else 1
-    chunk = (M + nchunks - 1) // nchunks
-    for i in prange(nchunks, nogil=True, num_threads=team_of(nchunks), schedule="static"):
-        r0 = i * chunk
-        rows = M - r0 if M - r0 < chunk else chunk
-        if rows > 0:
-            # rows r0.. of op(A): row offset in (M, K) storage, column offset in (K, M)
-            a_block = a + (<Py_ssize_t>r0 * lda if ta == b'N' else r0)
-            rowmajor_gemm(fa, fb, rows, N, K, alpha, a_block, lda, b, ldb,
-                          beta, c + <Py_ssize_t>r0 * N, N)
+    # NOTE: the split follows the configured count and the shapes, the team only runs it:
+    # OpenBLAS picks its kernel by block shape, so another split could change the bits
+    if M >= N:
+        nchunks = nthreads if M >= nthreads else 1
+        chunk = (M + nchunks - 1) // nchunks
+        for i in prange(nchunks, nogil=True, num_threads=team_of(nchunks), schedule="static"):
+            r0 = i * chunk
+            rows = M - r0 if M - r0 < chunk else chunk
+            if rows > 0:
+                # rows r0.. of op(A): row offset in (M, K) storage, column offset in (K, M)
+                a_block = a + (<Py_ssize_t>r0 * lda if ta == b'N' else r0)
+                rowmajor_gemm(fa, fb, rows, N, K, alpha, a_block, lda, b, ldb,
+                              beta, c + <Py_ssize_t>r0 * N, N)
+    else:
+        # column blocks of a multiple of 16 (whole vector tiles of the gemm's kernel)
+        nchunks = nthreads if N >= 16 * nthreads else 1
+        chunk = ((N + nchunks - 1) // nchunks + 15) // 16 * 16
+        nchunks = (N + chunk - 1) // chunk
+        for i in prange(nchunks, nogil=True, num_threads=team_of(nchunks), schedule="static"):
+            r0 = i * chunk
+            rows = N - r0 if N - r0 < chunk else chunk          # here: columns
+            # columns r0.. of op(B): column offset in (K, N) storage, row offset in (N, K)
+            b_block = b + (r0 if tb == b'N' else <Py_ssize_t>r0 * ldb)
+            rowmajor_gemm(fa, fb, M, rows, K, alpha, a, lda, b_block, ldb,
+                          beta, c + r0, N)
 
 
 cdef tuple _gemm_storage(object x):

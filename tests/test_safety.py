@@ -978,22 +978,23 @@ def test_attention_threaded(threads, causal, dtype):
 
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gemm_threaded(ta, tb, dtype):
-    # _blas.gemm splits output rows over threads from _PARALLEL_MIN_FLOPS multiply-adds;
-    # 131 rows do not split evenly
-    M, K, N = 131, 128, 130
+@pytest.mark.parametrize("M, K, N, nt", [(131, 128, 130, 2), (131, 128, 130, 3),
+                                          (37, 128, 467, 2), (37, 128, 467, 3)])
+def test_gemm_threaded(ta, tb, dtype, M, K, N, nt):
+    # _blas.gemm splits C over threads from _PARALLEL_MIN_FLOPS multiply-adds: its rows
+    # when M >= N, its columns (blocks of 16) when M < N; neither splits evenly here
     assert M * K * N >= parallel_min("_blas.pyx", "_PARALLEL_MIN_FLOPS")
     a = rng.standard_normal((K, M) if ta else (M, K)).astype(dtype)
     b = rng.standard_normal((N, K) if tb else (K, N)).astype(dtype)
     a_op, b_op = (a.T if ta else a), (b.T if tb else b)
     serial = _blas.gemm(a_op, b_op, num_threads=1)
-    threaded = _blas.gemm(a_op, b_op, num_threads=2)
+    threaded = _blas.gemm(a_op, b_op, num_threads=nt)
     expected = a_op.astype(np.float64) @ b_op.astype(np.float64)
     tol = 1e-4 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(threaded, serial, rtol=tol, atol=tol)
     np.testing.assert_allclose(threaded, expected, rtol=tol, atol=tol)
     out = np.ones((M, N), dtype)                          # beta: out = a @ b + beta * out
-    _blas.gemm(a_op, b_op, out=out, beta=0.5, num_threads=2)
+    _blas.gemm(a_op, b_op, out=out, beta=0.5, num_threads=nt)
     np.testing.assert_allclose(out, expected + 0.5, rtol=tol, atol=tol)
 
 

@@ -74,6 +74,14 @@ def _gemm_small_blocks(dtype):
     return lambda: _blas.gemm(a, b, num_threads=mt.get_num_threads())
 
 
+def _gemm_wide(dtype):
+    """Fewer rows than columns: the split runs along the columns."""
+    r = _rng()
+    a = r.standard_normal((37, 211)).astype(dtype)
+    b = r.standard_normal((1003, 211)).astype(dtype)
+    return lambda: _blas.gemm(a, b.T, num_threads=mt.get_num_threads())
+
+
 def _gemm_transposed(dtype):
     r = _rng()
     a = r.standard_normal((257, 1001)).astype(dtype)
@@ -151,7 +159,7 @@ def _embedding(dtype):
     return _grads(lambda ids, w: F.embedding(ids, w), ids, w)
 
 
-KERNELS = [_gemm, _gemm_small_blocks, _gemm_transposed, _batched_gemm, _sum_of_squares, _layer_norm, _rms_norm,
+KERNELS = [_gemm, _gemm_small_blocks, _gemm_wide, _gemm_transposed, _batched_gemm, _sum_of_squares, _layer_norm, _rms_norm,
            _linear, _attention, _cross_entropy, _pointwise, _embedding]
 
 
