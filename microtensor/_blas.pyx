@@ -91,6 +91,15 @@ cdef extern from *:
         if (s->hz <= 0) s->hz = 100;
     }
 
+    static void mt_team_sample(double now);
+
+    /* The first reading, at import: the first parallel kernel 0.1 s later already knows
+       the load (else its team would be the configured count until the second window). */
+    static void mt_team_start(void) {
+        mt_team_init();
+        if (mt_team_state.adaptive) mt_team_sample(mt_clock(CLOCK_MONOTONIC));
+    }
+
     /* Busy ticks of the allowed CPUs (user + system + irq + softirq + steal) since boot,
        and how many allowed CPUs /proc/stat lists; -1 when it cannot be read. */
     static int mt_busy_ticks(double* busy) {
@@ -169,15 +178,15 @@ cdef extern from *:
         int adaptive, forced, cap, cpus, ready
         double others
     mt_team_t mt_team_state
-    void mt_team_init() noexcept nogil
+    void mt_team_start() noexcept nogil
     int mt_team(int n) noexcept nogil
 
 
-mt_team_init()
-use_team(<size_t>&mt_team)
 # MICROTENSOR_ADAPTIVE_THREADS=0: always run the configured count, whatever the load
 if __import__("os").environ.get("MICROTENSOR_ADAPTIVE_THREADS", "1").strip() == "0":
     mt_team_state.adaptive = 0
+mt_team_start()
+use_team(<size_t>&mt_team)
 
 
 def team_pointer():
