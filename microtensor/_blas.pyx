@@ -38,12 +38,12 @@ cdef double _PARALLEL_MIN_FLOPS = 1 << 21
 #
 # The configured count (mt.set_num_threads) splits the work; the team is the threads that
 # run the pieces (see team_of in _common.pxd). It is the configured count on a quiet
-# machine, and shrinks while other processes keep cores busy: every 0.1 s (checked when a
+# machine, and shrinks while other processes keep cores busy: every 0.25 s (checked when a
 # kernel opens a parallel region, no thread of its own) the team reads how busy the CPUs
 # this process may run on were (/proc/stat: user, system, irq, softirq and steal time,
 # not `nice` time, which yields to us), takes away this process's own CPU time
 # (CLOCK_PROCESS_CPUTIME_ID), and so knows the cores other processes held. The team is
-# the cores left, rounded up from 0.6: fewer at once, more only after two windows agree.
+# the cores left, rounded to the nearest: fewer at once, more only after two windows agree.
 # Where /proc/stat cannot be read (not Linux) the team is the configured count.
 cdef extern from *:
     """
@@ -52,7 +52,10 @@ cdef extern from *:
     #include <time.h>
     #include <unistd.h>
 
-    #define MT_TEAM_WINDOW 0.1   /* seconds between two readings of the load */
+    /* seconds between two readings of the load. /proc/stat counts in 10 ms units per CPU,
+       so a reading over 0.1 s was off by up to 0.3 cores on an idle 2-core machine (the
+       team dropped to one thread with nobody else running); over 0.25 s, by under 0.1 */
+    #define MT_TEAM_WINDOW 0.25
     #define MT_TEAM_MAX_CPU 1024
 
     typedef struct {
@@ -93,7 +96,7 @@ cdef extern from *:
 
     static void mt_team_sample(double now);
 
-    /* The first reading, at import: the first parallel kernel 0.1 s later already knows
+    /* The first reading, at import: the first parallel kernel 0.25 s later already knows
        the load (else its team would be the configured count until the second window). */
     static void mt_team_start(void) {
         mt_team_init();
@@ -138,7 +141,7 @@ cdef extern from *:
         if (s->ready && dt > 0) {
             others = ((busy - s->busy) / s->hz - (self - s->self)) / dt;
             s->others = others > 0 ? others : 0;
-            fit = (int)((double)cpus - s->others + 0.4);
+            fit = (int)((double)cpus - s->others + 0.5);
             if (fit < 1) fit = 1;
             if (fit < s->cap) {
                 s->cap = fit;

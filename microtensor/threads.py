@@ -15,7 +15,7 @@ the process and calls it for us.
 The count set with mt.set_num_threads is the *configured* count: it fixes how each kernel
 splits its work, so a given seed gives the same bits. The threads that run the pieces
 (the *team*) are that count on a quiet machine and fewer while other processes keep the
-CPUs busy (a build, a test run, a second training job), measured every 0.1 s from
+CPUs busy (a build, a test run, a second training job), measured every 0.25 s from
 /proc/stat: a thread that waits for a partner who lost its core is what made two threads
 slower than one on a busy machine. team_size() says how many run now; adaptive_threads(False)
 (or MICROTENSOR_ADAPTIVE_THREADS=0) always runs the configured count.
