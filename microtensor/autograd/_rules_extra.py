@@ -8,7 +8,7 @@ import numpy as np
 
 import microtensor._core as C
 from microtensor._core import wrap
-from microtensor.autograd._rules_base import (
+from microtensor.autograd.graph_rules import (
     register, _wants, _keepdim, _const, _through_primitives,
 )
 from microtensor.autograd._rules_shape import index_add

@@ -11,7 +11,7 @@ import scipy.special
 import microtensor._core as C
 from microtensor._core import Node, wrap, attach, needs_graph
 from microtensor import _fused_attention
-from microtensor.autograd._rules_base import (
+from microtensor.autograd.graph_rules import (
     register, _wants, _sum_to, _const, _through_primitives,
 )
 from microtensor.autograd._rules_shape import index_add

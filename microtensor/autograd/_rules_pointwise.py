@@ -7,7 +7,7 @@ import numpy as np
 
 import microtensor._core as C
 from microtensor._core import Tensor
-from microtensor.autograd._rules_base import (
+from microtensor.autograd.graph_rules import (
     register, _wants, _live, _shape_of, _sum_to, _const,
 )
 

@@ -4,7 +4,7 @@ and max along a dim.
 import numpy as np
 
 import microtensor._core as C
-from microtensor.autograd._rules_base import register, _keepdim, _const
+from microtensor.autograd.graph_rules import register, _keepdim, _const
 
 
 # ---- reductions (ops_reduce.pxi) ------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 
 import microtensor._core as C
 from microtensor._core import Tensor, Node, wrap, attach, needs_graph
-from microtensor.autograd._rules_base import register, _wants, _live, _sum_to
+from microtensor.autograd.graph_rules import register, _wants, _live, _sum_to
 
 
 # ---- shapes (ops_shape.pxi) -----------------------------------------------------------

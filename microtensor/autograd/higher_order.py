@@ -26,7 +26,7 @@ with; a node with no rule at all is once differentiable: its gradient is correct
 differentiating it again raises an error naming the node.
 
 This module holds the entry point and the once-differentiable fallback; the registry
-and the shared helpers are in `_rules_base.py`, the rules in one module per op family:
+and the shared helpers are in `graph_rules.py`, the rules in one module per op family:
 `_rules_pointwise.py`, `_rules_reduce.py`, `_rules_shape.py` (shapes, indexing,
 matmul), `_rules_fused.py` (nn.functional's fused ops and rope) and `_rules_extra.py`
 (ops_extra, ops_index, ops_linalg, functional_extra). All of them are re-exported here.
@@ -36,7 +36,7 @@ import numpy as np
 import microtensor._core as C
 from microtensor._core import Tensor, Node, wrap, attach
 # the registry and the helpers the rules share
-from microtensor.autograd._rules_base import (  # noqa: F401
+from microtensor.autograd.graph_rules import (  # noqa: F401
     RULES, _key, register, rule_for, _wants, _live, _shape_of, _sum_to, _keepdim, _const,
     _through_primitives, _reroot,
 )
