@@ -161,17 +161,5 @@ def register_tensor_methods():
                 continue
             register(name, fn)
             done.append(name)
-    _register_create_graph_rules()
     return done
 
-
-def _register_create_graph_rules():
-    """Rules (for create_graph=True) that sit beside their op rather than in
-    microtensor.autograd.higher_order; a rule registered there wins."""
-    try:
-        from microtensor.autograd import higher_order
-    except ImportError:
-        return
-    from microtensor import ops_extra
-    higher_order.RULES.setdefault("microtensor.ops_extra.Atan2Backward",
-                                  ops_extra.atan2_create_graph_rule)

@@ -10,12 +10,14 @@ Every name here is an `mt.` function; those that torch also has as Tensor method
 registered as methods by `TENSOR_METHODS` at the bottom (see `register_methods`).
 """
 import math
+import sys
 
 import numpy as np
 import scipy.special
 
 import microtensor._core as _core
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach
+from microtensor.autograd.graph_rules import _sum_to, _through_primitives
 
 _LN2 = math.log(2.0)
 _LN10 = math.log(10.0)
@@ -68,6 +70,45 @@ _UNARY = {
 _KEEP_INT = {"sign", "floor", "ceil", "trunc", "round", "square"}
 
 
+
+# op name of ops_extra's PointwiseBackward -> dx(x, g) from differentiable ops
+_POINTWISE = {
+    "sin": lambda E, x, g: _core.mul(g, E.cos(x)),
+    "cos": lambda E, x, g: _core.neg(_core.mul(g, E.sin(x))),
+    "tan": lambda E, x, g: _core.mul(g, _core.add(_core.mul(E.tan(x), E.tan(x)), 1.0)),
+    "asin": lambda E, x, g: _core.div(g, _core.sqrt(_core.sub(1.0, _core.mul(x, x)))),
+    "acos": lambda E, x, g: _core.neg(_core.div(g, _core.sqrt(_core.sub(1.0, _core.mul(x, x))))),
+    "atan": lambda E, x, g: _core.div(g, _core.add(_core.mul(x, x), 1.0)),
+    "sinh": lambda E, x, g: _core.mul(g, E.cosh(x)),
+    "cosh": lambda E, x, g: _core.mul(g, E.sinh(x)),
+    "asinh": lambda E, x, g: _core.div(g, _core.sqrt(_core.add(_core.mul(x, x), 1.0))),
+    "acosh": lambda E, x, g: _core.div(g, _core.sqrt(_core.sub(_core.mul(x, x), 1.0))),
+    "atanh": lambda E, x, g: _core.div(g, _core.sub(1.0, _core.mul(x, x))),
+    "log1p": lambda E, x, g: _core.div(g, _core.add(x, 1.0)),
+    "expm1": lambda E, x, g: _core.mul(g, _core.exp(x)),
+    "exp2": lambda E, x, g: _core.mul(g, _core.mul(E.exp2(x), math.log(2.0))),
+    "log2": lambda E, x, g: _core.div(g, _core.mul(x, math.log(2.0))),
+    "log10": lambda E, x, g: _core.div(g, _core.mul(x, math.log(10.0))),
+    "rsqrt": lambda E, x, g: _core.mul(g, _core.mul(_core.pow(x, -1.5), -0.5)),
+    "reciprocal": lambda E, x, g: _core.neg(_core.div(g, _core.mul(x, x))),
+    "square": lambda E, x, g: _core.mul(g, _core.mul(x, 2.0)),
+    "erf": lambda E, x, g: _core.mul(g, _core.mul(_core.exp(_core.neg(_core.mul(x, x))), 2 / math.sqrt(math.pi))),
+    "erfc": lambda E, x, g: _core.mul(g, _core.mul(_core.exp(_core.neg(_core.mul(x, x))), -2 / math.sqrt(math.pi))),
+    "erfinv": lambda E, x, g: _core.mul(g, _core.mul(_core.exp(_core.mul(E.erfinv(x), E.erfinv(x))),
+                                             math.sqrt(math.pi) / 2)),
+    "logit": lambda E, x, g: _core.div(g, _core.mul(x, _core.sub(1.0, x))),
+    "frac": lambda E, x, g: g,
+}
+for _name in ("sign", "floor", "ceil", "trunc", "round"):      # piecewise constant
+    _POINTWISE[_name] = lambda E, x, g: _core.mul(g, 0.0)
+
+
+def _closure(fn):
+    """The variables a closure captured, by name (softplus's beta and threshold)."""
+    cells = fn.__closure__ or ()
+    return {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, cells)}
+
+
 class PointwiseBackward(Node):
     """y = f(x);  dx = g * f'(x)   (f and f' from the op's row of _UNARY)"""
 
@@ -78,6 +119,20 @@ class PointwiseBackward(Node):
 
     def name(self):
         return self.op.capitalize() + "Backward"
+
+    def create_graph(self, g):
+        """y = f(x);  dx = g * f'(x), with f' written from differentiable ops per op"""
+        x = self.inputs[0]
+        if self.op == "softplus":      # dx = g sigmoid(beta x), g above the threshold
+            params = _closure(self.rule)
+            beta, threshold = params["beta"], params["threshold"]
+            above = self.x * beta > threshold
+            return (_core.where(above, g, _core.mul(g, _core.sigmoid(_core.mul(x, beta)))),)
+        rule = _POINTWISE.get(self.op)
+        if rule is None:
+            raise RuntimeError(f"{self.name()} (ops_extra op {self.op!r}) has no create_graph rule in "
+                               "microtensor.ops_extra._POINTWISE")
+        return (rule(sys.modules[__name__], x, g),)
 
 
 declare_saved(PointwiseBackward, 0, output=True)
@@ -158,27 +213,16 @@ class Atan2Backward(Node):
             if self.inputs[1] is not None and self.inputs[1].requires_grad else None
         return (da, db)
 
+    def create_graph(self, g):
+        """the same, from differentiable ops on the live inputs (differentiable again)"""
+        a, b = self.inputs
+        r = _core.div(g, _core.add(_core.mul(a, a), _core.mul(b, b)))
+        da = _sum_to(_core.mul(r, b), self.a_shape) if a.requires_grad else None
+        db = _sum_to(_core.neg(_core.mul(r, a)), self.b_shape) if b.requires_grad else None
+        return (da, db)
+
 
 declare_saved(Atan2Backward, 0, 1)
-
-
-def _unbroadcast_tensor(g, shape):
-    """g summed down to `shape` with differentiable ops (for the create_graph rule)."""
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = _core.sum(g, dim=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    return _core.sum(g, dim=axes, keepdim=True) if axes else g
-
-
-def atan2_create_graph_rule(node, g):
-    """Atan2Backward's rule from differentiable ops on the live inputs (so it can be
-    differentiated again): da = g b / (a^2 + b^2),  db = -g a / (a^2 + b^2)"""
-    a, b = node.inputs
-    r = _core.div(g, _core.add(_core.mul(a, a), _core.mul(b, b)))
-    da = _unbroadcast_tensor(_core.mul(r, b), node.a_shape) if a.requires_grad else None
-    db = _unbroadcast_tensor(_core.neg(_core.mul(r, a)), node.b_shape) if b.requires_grad else None
-    return (da, db)
 
 
 def atan2(input, other):
@@ -272,6 +316,13 @@ class CumsumBackward(Node):
         dx = np.flip(np.cumsum(np.flip(g, self.dim), self.dim), self.dim)
         return (dx.reshape(self.shape).astype(self.dtype, copy=False),)
 
+    def create_graph(self, g):
+        """y = cumsum(x, d);  dx = reverse-cumsum(g, d)"""
+        flip = (slice(None),) * self.dim + (slice(None, None, -1),)
+        g = _core.reshape(g, self.shape1)
+        dx = _core.getitem(cumsum(_core.getitem(g, flip), self.dim), flip)
+        return (_core.reshape(dx, self.shape),)
+
 
 declare_saved(CumsumBackward)
 
@@ -318,6 +369,20 @@ class CumprodBackward(Node):
             s[i] = g[i] + x[i + 1] * s[i + 1]
         dx = np.moveaxis(before * s, 0, self.dim)
         return (dx.reshape(self.shape).astype(self.x.dtype, copy=False),)
+
+    def create_graph(self, g):
+        """(from primitives) y_i = y_(i-1) * x_i along dim"""
+        shape1, dim = self.x.shape, self.dim
+
+        def forward(x):
+            x = _core.reshape(x, shape1)
+            running, out = None, []
+            for i in range(shape1[dim]):
+                xi = _core.getitem(x, (slice(None),) * dim + (slice(i, i + 1),))
+                running = xi if running is None else _core.mul(running, xi)
+                out.append(running)
+            return _core.reshape(_core.cat(out, dim), self.shape)
+        return _through_primitives(forward, self.inputs, g)
 
 
 declare_saved(CumprodBackward, live=(0,))  # its own copy of x; the create-graph rule reads x

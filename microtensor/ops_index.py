@@ -11,6 +11,7 @@ import numpy as np
 
 import microtensor._core as _core
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach
+from microtensor.autograd.graph_rules import _wants, add_at as _add_at
 from microtensor._ops_common import _tensor, _dim, _dims, _array, declare_saved
 
 # (values, indices), readable as .values / .indices, like torch.return_types
@@ -119,6 +120,19 @@ class ScatterBackward(Node):
         if self.inputs[1] is not None and self.inputs[1].requires_grad:
             dsrc = np.zeros(self.src_shape, dtype=self.dtype)
             dsrc[self.src_key] = g[self.key]
+        return (dx, dsrc)
+
+    def create_graph(self, g):
+        """y = x;  y[key] = src[src_key] (or +=);  dx = g (0 where overwritten),  dsrc = g[key]"""
+        dx = dsrc = None
+        if _wants(self, 0):
+            dx = g
+            if not self.add:
+                overwritten = np.zeros(tuple(g.shape), dtype=bool)
+                overwritten[self.key] = True
+                dx = _core.where(overwritten, 0.0, g)
+        if _wants(self, 1):
+            dsrc = _add_at(_core.getitem(g, self.key), self.src_key, self.src_shape, False)
         return (dx, dsrc)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 import microtensor._core as _core
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach
+from microtensor.autograd.graph_rules import _keepdim, _const
 from microtensor._ops_common import _tensor, _dim, _dims, _float, declare_saved
 from microtensor.ops_index import diagonal
 
@@ -320,6 +321,24 @@ class VectorNormBackward(Node):
         if p != 1:
             dx = np.where(y == 0, 0, dx)
         return (np.asarray(dx, dtype=x.dtype),)
+
+    def create_graph(self, g):
+        """y = (sum |x|^p)^(1/p);  dx = g sign(x) |x|^(p-1) / y^(p-1)   (0 where y = 0)"""
+        x, p, dims = self.inputs[0], self.p, self.dims
+        g = _keepdim(g, x.shape, dims, self.keepdim)
+        sign = _const(np.sign(self.x), g.dtype)
+        if p == 1:
+            return (_core.mul(g, sign),)
+        y0 = self.y if self.keepdim or not dims else np.expand_dims(self.y, dims)
+        zero = y0 == 0
+        if p == 2:
+            y = _core.sqrt(_core.sum(_core.mul(x, x), dims, True))
+            local = _core.div(x, _core.where(zero, 1.0, y))
+        else:
+            ax = _core.abs(x)
+            y = _core.pow(_core.sum(_core.pow(ax, p), dims, True), 1.0 / p)
+            local = _core.div(_core.mul(sign, _core.pow(ax, p - 1)), _core.pow(_core.where(zero, 1.0, y), p - 1))
+        return (_core.where(zero, 0.0, _core.mul(g, local)),)
 
 
 declare_saved(VectorNormBackward, 0, output=True)

@@ -10,7 +10,8 @@ import numpy as np
 
 import microtensor._core as _core
 from microtensor._core import Node, Tensor, wrap, needs_graph, attach, register_op
-from microtensor.ops_extra import declare_saved, _unbroadcast_tensor
+from microtensor.ops_extra import declare_saved
+from microtensor.autograd.graph_rules import _sum_to
 
 
 class FmaxBackward(Node):
@@ -26,8 +27,8 @@ class FmaxBackward(Node):
     def create_graph(self, g):
         """The same rule in differentiable ops, for gradients of gradients."""
         took_a, zero = wrap(self.took_a), _core.zeros_like(g)
-        da = _unbroadcast_tensor(_core.where(took_a, g, zero), self.a_shape)
-        db = _unbroadcast_tensor(_core.where(took_a, zero, g), self.b_shape)
+        da = _sum_to(_core.where(took_a, g, zero), self.a_shape)
+        db = _sum_to(_core.where(took_a, zero, g), self.b_shape)
         return (da, db)
 
 

@@ -443,3 +443,59 @@ def test_sharpness_quick_study_reaches_the_edge_of_stability(tmp_path, monkeypat
     paths = example.draw(results, args)
     assert sorted(os.listdir(tmp_path)) == ["sharpness_mlp.png", "sharpness_ratio.png"]
     assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+# ---- where a rule lives -----------------------------------------------------------------
+
+def _python_nodes():
+    """Every Node subclass defined in Python in the package (its own module's class)."""
+    import importlib
+    import inspect as pyinspect
+    import pkgutil
+    import microtensor
+    from microtensor._core import Node
+    found = {}
+    for info in pkgutil.walk_packages(microtensor.__path__, "microtensor."):
+        if info.name.startswith("microtensor._fused") or info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for _, cls in pyinspect.getmembers(module, pyinspect.isclass):
+            if issubclass(cls, Node) and cls is not Node and cls.__module__ != "microtensor._core":
+                found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+def test_no_rule_is_found_by_a_name():
+    """Rules are keyed by the node class (the core's Cython nodes) or are the node's own
+    create_graph method: a dotted string can go stale silently when a class moves."""
+    from microtensor.autograd import graph_rules
+    assert all(isinstance(k, type) for k in graph_rules.RULES), \
+        [k for k in graph_rules.RULES if not isinstance(k, type)]
+    with pytest.raises(TypeError, match="node classes"):
+        graph_rules.register("microtensor.ops_extra.PointwiseBackward")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "microtensor")
+    for dirpath, _, files in os.walk(src):
+        for name in files:
+            if name.endswith((".py", ".pyx", ".pxi")):
+                text = open(os.path.join(dirpath, name), encoding="utf-8").read()
+                assert "@register(\"" not in text and "RULES.setdefault(\"" not in text, name
+
+
+def test_every_python_node_keeps_its_rule_beside_its_backward():
+    """A node written in Python defines create_graph in its own class body (next to
+    backward), never in a RULES table elsewhere; the ones that are once differentiable
+    on purpose say so by having no rule and are listed here."""
+    from microtensor.autograd import graph_rules
+    once = {  # their gradients are correct; differentiating them again raises, by design
+        "microtensor.autograd.higher_order.NotDifferentiableTwiceBackward",
+    }
+    nodes = _python_nodes()
+    assert len(nodes) > 20, sorted(nodes)           # the walk found the op modules
+    in_table = [n for n, cls in nodes.items() if cls in graph_rules.RULES and n not in once]
+    assert not in_table, f"rules kept away from their node: {in_table}"
+    import importlib
+    for module, cls in (("microtensor.nn._activations_fn", "GeluBackward"),
+                        ("microtensor.nn._attention_fn", "AttentionBackward"),
+                        ("microtensor.ops_extra", "PointwiseBackward"),
+                        ("microtensor.ops_index", "ScatterBackward")):
+        assert "create_graph" in vars(getattr(importlib.import_module(module), cls)), cls

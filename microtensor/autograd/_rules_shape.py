@@ -1,13 +1,13 @@
 """Create-graph rules of the core's shape, indexing and matmul ops (ops_shape.pxi,
 the indexing and matmul nodes): reshape, permute, expand, cat, tril/triu, indexing
-(with IndexAddBackward, the differentiable scatter that is indexing's gradient) and
+(whose gradient is graph_rules.add_at, the differentiable scatter) and
 matmul.
 """
 import numpy as np
 
 import microtensor._core as C
 from microtensor._core import Tensor, Node, wrap, attach, needs_graph
-from microtensor.autograd.graph_rules import register, _wants, _live, _sum_to
+from microtensor.autograd.graph_rules import register, _wants, _live, _sum_to, add_at
 
 
 # ---- shapes (ops_shape.pxi) -----------------------------------------------------------
@@ -44,40 +44,10 @@ def _tril(node, g):
     return ((C.triu if node.upper else C.tril)(g, node.k),)
 
 
-class IndexAddBackward(Node):
-    """y = zeros(shape); y[key] += x  (the gradient of indexing, as an op);  dx = g[key]
-
-    Indexing's backward scatters; the backward of that scatter gathers again, so the
-    two rules close the loop for every order."""
-
-    def backward(self, g):
-        return (np.asarray(g)[self.key],)
-
-
-def index_add(x, key, shape, basic):
-    """zeros(shape) with x added at [key] (repeated indices accumulate), differentiably."""
-    out = np.zeros(shape, dtype=x._data.dtype)
-    if basic:
-        out[key] = x._data
-    else:
-        np.add.at(out, key, x._data)
-    out = wrap(out)
-    if needs_graph((x,)):
-        node = IndexAddBackward()
-        node.key = key
-        attach(out, node, (x,))
-    return out
-
-
-@register(IndexAddBackward)
-def _index_add(node, g):
-    return (C.getitem(g, node.key),)
-
-
 @register(C.IndexBackward)
 def _index(node, g):
     """y = x[key];  dx = zeros, then dx[key] += g"""
-    return (index_add(g, node.key, node.shape, node.basic),)
+    return (add_at(g, node.key, node.shape, node.basic),)
 
 
 @register(C.MatmulBackward)

@@ -1,28 +1,31 @@
-"""The create-graph rules' registry and what the rules share: RULES (one rule per node
-type, keyed by class or by "module.ClassName"), the `register` decorator and
-`rule_for`; small helpers on inputs, shapes and constants; and `_through_primitives`,
-which differentiates an op by running its forward again as differentiable primitives
-(the rule of the fused ops whose backward formula is long). `higher_order.py`
-re-exports all of it.
+"""What create-graph rules share, and where the engine finds one.
+
+A node's rule is its `create_graph(self, g)` method, written beside its `backward` in
+the op's own file (nn/_activations_fn.py, ops_extra.py, ...). The core's Cython nodes
+take theirs from RULES (keyed by the node class; `register`), filled by the
+autograd/_rules_*.py modules. `rule_for` finds either. Also here: small helpers on inputs,
+shapes and constants; `add_at`, the differentiable scatter that is indexing's gradient;
+and `_through_primitives`, which differentiates an op by running its forward again as
+differentiable primitives (the rule of the fused ops whose backward formula is long).
 """
 import numpy as np
 
 import microtensor._core as C
-from microtensor._core import Tensor
+from microtensor._core import Tensor, Node, wrap, attach, needs_graph
 
 RULES = {}
 
 
-def _key(cls):
-    return f"{cls.__module__}.{cls.__qualname__}"
+def register(*node_types):
+    """@register(NodeClass, ...) adds a rule for those node types (classes, never names:
+    a rule beside its node is a `create_graph(self, g)` method instead)."""
+    for t in node_types:
+        if not isinstance(t, type):
+            raise TypeError(f"register takes node classes, got {t!r}")
 
-
-def register(*keys):
-    """@register(NodeClass, "module.OtherNode", ...) adds a rule for those node types.
-    A string key names a class in a module this one need not import."""
     def add(rule):
-        for k in keys:
-            RULES[k] = rule
+        for t in node_types:
+            RULES[t] = rule
         return rule
     return add
 
@@ -30,7 +33,7 @@ def register(*keys):
 def rule_for(node_type):
     """The create-graph rule of a node type, or None: the one in RULES, else the node's
     own `create_graph(g)` method (a rule written beside its backward)."""
-    rule = RULES.get(node_type) or RULES.get(_key(node_type))
+    rule = RULES.get(node_type)
     if rule is None and callable(getattr(node_type, "create_graph", None)):
         return _method_rule
     return rule
@@ -83,6 +86,37 @@ def _keepdim(g, in_shape, dims, keepdim):
 def _const(a, dtype):
     """A constant array in the gradient's dtype (a float64 array would promote)."""
     return np.asarray(a, dtype=dtype)
+
+
+# ---- indexing's gradient, as an op ---------------------------------------------------
+
+class IndexAddBackward(Node):
+    """y = zeros(shape); y[key] += x  (the gradient of indexing, as an op);  dx = g[key]
+
+    Indexing's backward scatters; the backward of that scatter gathers again, so the
+    two rules close the loop for every order."""
+
+    def backward(self, g):
+        return (np.asarray(g)[self.key],)
+
+    def create_graph(self, g):
+        return (C.getitem(g, self.key),)
+
+
+def add_at(x, key, shape, basic):
+    """zeros(shape) with x added at [key] (repeated indices accumulate), differentiably:
+    the gradient of indexing, of embedding and of scatter."""
+    out = np.zeros(shape, dtype=x._data.dtype)
+    if basic:
+        out[key] = x._data
+    else:
+        np.add.at(out, key, x._data)
+    out = wrap(out)
+    if needs_graph((x,)):
+        node = IndexAddBackward()
+        node.key = key
+        attach(out, node, (x,))
+    return out
 
 
 # ---- the rule written from primitives -------------------------------------------------

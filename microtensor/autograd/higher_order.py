@@ -5,9 +5,9 @@ returns has no history. With `create_graph=True` the engine calls `create_graph_
 below instead, and every node's gradient is computed by *differentiable tensor ops*, so
 the gradients it returns have a `grad_fn` and can be differentiated again, to any order.
 
-One registry holds one rule per node type:
-
-    RULES[NodeClass or "module.ClassName"] = rule(node, grad_output) -> one gradient per input
+Each node type has one rule, `rule(node, grad_output) -> one gradient per input`: the
+node's own `create_graph(self, g)` method, beside its backward in the op's file, or, for
+the core's Cython nodes, RULES[NodeClass] (autograd/graph_rules.py).
 
 A rule reads `node.inputs` (the live input tensors) wherever the gradient depends on an
 input's value, so that the second derivative flows back into that input. The arrays a
@@ -26,10 +26,9 @@ with; a node with no rule at all is once differentiable: its gradient is correct
 differentiating it again raises an error naming the node.
 
 This module holds the entry point and the once-differentiable fallback; the registry
-and the shared helpers are in `graph_rules.py`, the rules in one module per op family:
-`_rules_pointwise.py`, `_rules_reduce.py`, `_rules_shape.py` (shapes, indexing,
-matmul), `_rules_fused.py` (nn.functional's fused ops and rope) and `_rules_extra.py`
-(ops_extra, ops_index, ops_linalg, functional_extra). All of them are re-exported here.
+and the shared helpers are in `graph_rules.py`; the Cython nodes' rules in
+`_rules_pointwise.py`, `_rules_reduce.py` and `_rules_shape.py` (shapes, indexing,
+matmul). Every other op's rule is a method of its node.
 """
 import numpy as np
 
@@ -37,7 +36,7 @@ import microtensor._core as C
 from microtensor._core import Tensor, Node, wrap, attach
 # the registry and the helpers the rules share
 from microtensor.autograd.graph_rules import (  # noqa: F401
-    RULES, _key, register, rule_for, _wants, _live, _shape_of, _sum_to, _keepdim, _const,
+    RULES, register, rule_for, IndexAddBackward, add_at, _wants, _live, _shape_of, _sum_to, _keepdim, _const,
     _through_primitives, _reroot,
 )
 # the rules, one module per op family (importing them fills RULES)
@@ -51,26 +50,16 @@ from microtensor.autograd._rules_reduce import (  # noqa: F401
     _sum, _mean, _var, _amax, _max_dim,
 )
 from microtensor.autograd._rules_shape import (  # noqa: F401
-    _reshape, _permute, _expand, _cat, _tril, IndexAddBackward, index_add, _index_add,
+    _reshape, _permute, _expand, _cat, _tril,
     _index, _matmul,
 )
-from microtensor.autograd._rules_fused import (  # noqa: F401
-    _F, _softmax, _log_softmax, _GELU_C, _INV_SQRT_2PI, NormalCdfBackward, normal_cdf,
-    _normal_pdf, _normal_cdf, _gelu, _silu, _linear, _row_eps, _norm_dims, _layer_norm,
-    _rms_norm, _cross_entropy, _mse_loss, _embedding, _dropout, _attention, _rope,
-)
-from microtensor.autograd._rules_extra import (  # noqa: F401
-    _extra, _POINTWISE, _closure, _pointwise, _cumsum, _cumprod, _scatter, _vector_norm,
-    _constant_pad, _binary_cross_entropy,
-)
-
 
 def create_graph_rule(node, grad_output):
     """The engine's entry point: one differentiable gradient (or None) per node input."""
     rule = rule_for(type(node))
     if rule is None:
         return _once_differentiable(node, grad_output, f"{node.name()} has no create_graph rule "
-                                    f"(add one to microtensor.autograd.higher_order.RULES)")
+                                    f"(give it a create_graph(self, g) method beside its backward)")
     grads = tuple(rule(node, grad_output))
     out = []
     for i, inp in enumerate(node.inputs):

@@ -6,6 +6,10 @@ was imported (and a test may swap it there).
 """
 import numpy as np
 
+import math
+
+import scipy.special
+
 import microtensor._core as _core
 from microtensor._core import Node, wrap, needs_graph, attach
 from microtensor.nn import functional as F
@@ -31,11 +35,63 @@ def tanh(x):
     return _core.tanh(x)
 
 
+
+# ---- what the create-graph rules below share -------------------------------------------
+
+def _saved_rows_output(node):
+    """softmax's (or log_softmax's) saved output y as a tensor whose graph leads back to
+    x through a node of the same rule: the rules below read y (as PyTorch does), never
+    softmax(x) again, since x may have changed in place since the forward pass."""
+    if node.out is None:
+        raise RuntimeError(f"{node.name()}: its saved output has already been freed")
+    y = wrap(np.moveaxis(node.out.reshape(node.moved_shape), -1, node.dim))
+    x = node.inputs[0]
+    if needs_graph((x,)):
+        again = type(node)()
+        again.out, again.dim, again.moved_shape = node.out, node.dim, node.moved_shape
+        attach(y, again, (x,))
+    return y
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+class NormalCdfBackward(Node):
+    """y = Phi(x), the standard normal CDF;  dx = g * phi(x) = g * e^(-x^2/2) / sqrt(2 pi)"""
+
+    def backward(self, g):
+        x = self.x
+        return ((g * (np.exp(-0.5 * x * x) * _INV_SQRT_2PI)).astype(x.dtype, copy=False),)
+
+    def create_graph(self, g):
+        return (_core.mul(g, _normal_pdf(self.inputs[0])),)
+
+
+def normal_cdf(x):
+    """Phi(x) = (1 + erf(x / sqrt 2)) / 2, differentiable to any order (gelu's rule)."""
+    out = wrap(np.asarray(scipy.special.ndtr(x._data), dtype=x._data.dtype))
+    if needs_graph((x,)):
+        node = NormalCdfBackward()
+        node.x = x._data
+        attach(out, node, (x,))
+    return out
+
+
+def _normal_pdf(x):
+    return _core.mul(_core.exp(_core.mul(_core.mul(x, x), -0.5)), _INV_SQRT_2PI)
+
+
 class SoftmaxBackward(Node):
     """y = softmax(x);  dx = y * (g - sum(g * y))   (kernel: softmax_backward)"""
 
     def backward(self, g):
         return (_rows_backward(self, g, F._fused.softmax_backward),)
+
+    def create_graph(self, g):
+        """y = softmax(x);  dx = y * (g - sum(g * y))"""
+        y = _saved_rows_output(self)
+        return (_core.mul(y, _core.sub(g, _core.sum(_core.mul(g, y), self.dim, True))),)
 
 
 declare_saved(SoftmaxBackward, output=True)
@@ -46,6 +102,11 @@ class LogSoftmaxBackward(Node):
 
     def backward(self, g):
         return (_rows_backward(self, g, F._fused.log_softmax_backward),)
+
+    def create_graph(self, g):
+        """y = log_softmax(x);  dx = g - exp(y) * sum(g)"""
+        p = _core.exp(_saved_rows_output(self))
+        return (_core.sub(g, _core.mul(p, _core.sum(g, self.dim, True))),)
 
 
 declare_saved(LogSoftmaxBackward, output=True)
@@ -118,6 +179,20 @@ class GeluBackward(Node):
         kernel(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
         return (dinp,)
 
+    def create_graph(self, g):
+        """exact: y = x Phi(x),  dx = g (Phi(x) + x phi(x));
+        tanh: y = x (1 + t) / 2,  t = tanh(u),  u = c (x + 0.044715 x^3),
+              dx = g ((1 + t) / 2 + x (1 - t^2) c (1 + 3 * 0.044715 x^2) / 2)"""
+        x = self.inputs[0]
+        if self.approximate == "tanh":
+            x2 = _core.mul(x, x)
+            t = _core.tanh(_core.mul(_core.mul(x, _core.add(_core.mul(x2, 0.044715), 1.0)), _GELU_C))
+            du = _core.mul(_core.add(_core.mul(x2, 3 * 0.044715), 1.0), _GELU_C)
+            local = _core.mul(_core.add(_core.add(t, 1.0), _core.mul(_core.mul(x, _core.sub(1.0, _core.mul(t, t))), du)), 0.5)
+        else:
+            local = _core.add(normal_cdf(x), _core.mul(x, _normal_pdf(x)))
+        return (_core.mul(g, local),)
+
 
 declare_saved(GeluBackward, 0)
 
@@ -147,6 +222,12 @@ class SiluBackward(Node):
         dinp = np.empty_like(x)
         F._fused.silu_backward(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
         return (dinp,)
+
+    def create_graph(self, g):
+        """y = x s(x);  dx = g s (1 + x (1 - s))"""
+        x = self.inputs[0]
+        s = _core.sigmoid(x)
+        return (_core.mul(g, _core.mul(s, _core.add(_core.mul(x, _core.sub(1.0, s)), 1.0))),)
 
 
 declare_saved(SiluBackward, 0)

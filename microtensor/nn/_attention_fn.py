@@ -9,6 +9,9 @@ import math
 import numpy as np
 
 import microtensor._core as _core
+from microtensor import _fused_attention
+from microtensor.autograd.graph_rules import _through_primitives
+from microtensor.nn._activations_fn import softmax
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 from microtensor.nn import functional as F
 from microtensor.nn._functional_common import (
@@ -96,6 +99,42 @@ class AttentionBackward(Node):
             else:
                 grads.append(None)
         return tuple(grads)
+
+    def create_graph(self, g):
+        """(from primitives) o = dropout(softmax(scale * q @ k^T + mask)) @ v"""
+        batch, Tq, Tk = self.batch, self.q.shape[1], self.k.shape[1]
+        dtype = self.q.dtype
+        mask = None
+        if self.has_mask and not (len(self.inputs) > 3 and self.inputs[3] is not None):
+            mask = self.slabs[self.index].reshape(batch + (Tq, Tk))           # additive, constant
+        keep = None
+        if self.dropout_p > 0:
+            keep = np.empty((self.q.shape[0], Tq, Tk), dtype=dtype)
+            # the same counter-based draws in every build of the kernels
+            _fused_attention.attention_dropout_mask(keep, self.seed, self.dropout_p)
+            keep = keep.reshape(batch + (Tq, Tk))
+        causal = np.tril(np.ones((Tq, Tk), dtype=bool)) if self.is_causal else None
+
+        def forward(q, k, v, live_mask=None):
+            scores = _core.mul(_core.matmul(q, _core.transpose(k, -1, -2)), self.scale)   # (..., Tq, Tk)
+            if live_mask is not None:
+                scores = _core.add(scores, live_mask)
+            elif mask is not None:
+                scores = _core.add(scores, mask)
+            if causal is not None:
+                scores = _core.where(causal, scores, -np.inf)
+            # a row with every key masked outputs zeros (the kernel's rule): give softmax a
+            # finite row there and zero its output, so no NaN reaches any derivative
+            dead = np.all(np.isneginf(scores._data), axis=-1, keepdims=True)
+            if dead.any():
+                scores = _core.where(dead, 0.0, scores)
+            p = softmax(scores, -1)
+            if dead.any():
+                p = _core.where(dead, 0.0, p)
+            if keep is not None:
+                p = _core.mul(p, keep)
+            return _core.matmul(p, v)
+        return _through_primitives(forward, self.inputs, g)
 
 
 declare_saved(AttentionBackward, 0, 1, 2, 3)

@@ -7,6 +7,9 @@ was imported (and a test may swap it there).
 import numpy as np
 
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+import microtensor._core as _core
+from microtensor.autograd.graph_rules import _wants, _sum_to, _const
+from microtensor.nn._activations_fn import softmax
 from microtensor.nn import functional as F
 from microtensor._core import ArgumentError
 from microtensor.nn._functional_common import (
@@ -69,6 +72,34 @@ class CrossEntropyBackward(Node):
             x_shape = self.x_shape
             dlogits = np.moveaxis(dlogits.reshape((x_shape[0],) + x_shape[2:] + (x_shape[1],)), -1, 1)
         return (dlogits.reshape(self.x_shape), None)
+
+    def create_graph(self, g):
+        """loss_i = logsumexp(x_i) - x_i[t_i];  dx_i = g_i (softmax(x_i) - q_i),
+        q_i = (1 - eps) onehot(t_i) + eps / C;  0 on ignored rows, / count for 'mean'"""
+        x = self.inputs[0]
+        M, n_class = self.rows.shape
+        if self.how == "second":                               # (N, C, d...) -> (N, d..., C)
+            nd = len(self.x_shape)
+            rows = _core.reshape(_core.permute(x, (0,) + tuple(range(2, nd)) + (1,)), (M, n_class))
+        else:
+            rows = _core.reshape(x, (M, n_class))
+        dtype = g.dtype
+        keep = self.tgt != self.ignore_index
+        target = np.zeros((M, n_class), dtype=dtype)
+        target[np.arange(M)[keep], self.tgt[keep]] = 1 - self.label_smoothing
+        target[keep] += self.label_smoothing / n_class
+        if self.reduction == "none":
+            dloss = _core.mul(_core.reshape(g, (M, 1)), _const(keep[:, None], dtype))
+        else:
+            scale = 1.0 / max(self.count, 1) if self.reduction == "mean" else 1.0
+            dloss = _core.mul(g, _const(keep[:, None] * scale, dtype))          # (M, 1)
+        drows = _core.mul(_core.sub(softmax(rows, -1), target), dloss)
+        if self.how == "second":
+            x_shape = self.x_shape
+            moved = _core.reshape(drows, (x_shape[0],) + tuple(x_shape[2:]) + (x_shape[1],))
+            nd = len(x_shape)
+            return (_core.permute(moved, (0, nd - 1) + tuple(range(1, nd - 1))), None)
+        return (_core.reshape(drows, self.x_shape), None)
 
 
 declare_saved(CrossEntropyBackward, 0)
@@ -318,6 +349,18 @@ class MSELossBackward(Node):
         da = _unbroadcast(d, self.a_shape) if _wants_grad(self, 0) else None
         db = np.asarray(0 - _unbroadcast(d, self.b_shape)) if _wants_grad(self, 1) else None
         return (da, db)
+
+    def create_graph(self, g):
+        """loss = reduce((x - y)^2);  dx = 2 (x - y) g / n,  dy = -dx"""
+        a, b = self.inputs
+        diff = _core.sub(a, b)
+        if self.reduction == "none":
+            d = _core.mul(_core.mul(diff, g), 2.0)
+        else:
+            n = diff.numel() if self.reduction == "mean" else 1
+            d = _core.mul(diff, _core.mul(g, 2.0 / n))
+        return (_sum_to(d, self.a_shape) if _wants(self, 0) else None,
+                _core.neg(_sum_to(d, self.b_shape)) if _wants(self, 1) else None)
 
 
 declare_saved(MSELossBackward, 0, 1)

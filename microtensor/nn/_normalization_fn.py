@@ -9,6 +9,8 @@ import math
 import numpy as np
 
 from microtensor._core import Node, wrap, needs_graph, attach, ShapeError
+import microtensor._core as _core
+from microtensor.autograd.graph_rules import _const, _through_primitives
 from microtensor.nn import functional as F
 from microtensor.nn._functional_common import (
     declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads, _wants_grad,
@@ -41,6 +43,27 @@ def _partials(R, n, dtype):
     return np.zeros((chunks, n), dtype=dtype)
 
 
+
+def _row_eps(node, x2, centered):
+    """The eps the forward used. The nodes keep rstd, not eps: eps = 1/rstd^2 - var, per
+    row, in float64 (this makes the rule's rstd the forward's rstd to rounding)."""
+    eps = getattr(node, "eps", None)
+    if eps is not None:
+        return float(eps)
+    rows = x2.astype(np.float64)
+    if centered:
+        rows = rows - rows.mean(axis=1, keepdims=True)
+    var = (rows * rows).mean(axis=1)
+    eps = 1.0 / np.square(node.rstd.astype(np.float64)) - var
+    return _const(eps.reshape(node.x_shape[:len(node.x_shape) - len(node.normalized_shape)]
+                              + (1,) * len(node.normalized_shape)), x2.dtype)
+
+
+def _norm_dims(node):
+    nd, k = len(node.x_shape), len(node.normalized_shape)
+    return tuple(range(nd - k, nd))
+
+
 class LayerNormBackward(Node):
     """y = (x - mean) * rstd * w + b;
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = g * w,
@@ -60,6 +83,21 @@ class LayerNormBackward(Node):
         dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
         db = dbias.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 2) else None
         return (dx, dw, db)
+
+    def create_graph(self, g):
+        """(from primitives) y = (x - mean) / sqrt(var + eps) * w + b"""
+        dims, eps = _norm_dims(self), _row_eps(self, self.x2, True)
+
+        def forward(x, w, b):
+            centered = _core.sub(x, _core.mean(x, dims, True))
+            var = _core.mean(_core.mul(centered, centered), dims, True)
+            y = _core.mul(centered, _core.pow(_core.add(var, eps), -0.5))
+            if w is not None:
+                y = _core.mul(y, w)
+            if b is not None:
+                y = _core.add(y, b)
+            return y
+        return _through_primitives(forward, self.inputs, g)
 
 
 declare_saved(LayerNormBackward, 0, 1)
@@ -108,6 +146,15 @@ class RMSNormBackward(Node):
         dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
         dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
         return (dx, dw)
+
+    def create_graph(self, g):
+        """(from primitives) y = x / sqrt(mean(x^2) + eps) * w"""
+        dims, eps = _norm_dims(self), _row_eps(self, self.x2, False)
+
+        def forward(x, w):
+            y = _core.mul(x, _core.pow(_core.add(_core.mean(_core.mul(x, x), dims, True), eps), -0.5))
+            return y if w is None else _core.mul(y, w)
+        return _through_primitives(forward, self.inputs, g)
 
 
 declare_saved(RMSNormBackward, 0, 1)

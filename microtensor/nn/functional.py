@@ -23,6 +23,7 @@ import numpy as np
 import microtensor._core as _core
 from microtensor import _blas
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.autograd.graph_rules import _wants, add_at as _add_at
 from microtensor.nn._functional_common import (  # noqa: F401  (F._threads etc. stay here)
     declare_saved, _cpu_has_avx2_fma, _load_kernels, DtypeError, _tensor, _float_array,
     _same_dtype, _contig, _owned_indices, _grad_as, _PARALLEL_MIN, _PARALLEL_MIN_MEMORY_BOUND,
@@ -54,6 +55,19 @@ class LinearBackward(Node):
             dw = _blas.gemm(g2d.T, x2d, num_threads=nt)  # NOTE: .T is a view, passed as a 'T' flag
         if len(self.inputs) > 2 and _wants_grad(self, 2):
             db = g2d.sum(axis=0)
+        return (dx, dw, db)
+
+    def create_graph(self, g):
+        """y = x @ W^T + b;  dx = g @ W,  dW = g^T @ x,  db = sum_rows(g)"""
+        x, w = self.inputs[0], self.inputs[1]
+        g2 = _core.reshape(g, (-1, w.shape[0]))                   # (M, out)
+        dx = dw = db = None
+        if _wants(self, 0):
+            dx = _core.reshape(_core.matmul(g2, w), x.shape)
+        if _wants(self, 1):
+            dw = _core.matmul(_core.transpose(g2, 0, 1), _core.reshape(x, (-1, w.shape[1])))
+        if _wants(self, 2):
+            db = _core.sum(g2, 0)
         return (dx, dw, db)
 
 
@@ -103,6 +117,16 @@ class EmbeddingBackward(Node):
             dweight[self.padding_idx] = 0
         return (None, dweight)
 
+    def create_graph(self, g):
+        """y = W[idx];  dW[idx[i]] += g[i]   (padding_idx row: 0)"""
+        V, D = self.weight_shape
+        dweight = _add_at(_core.reshape(g, (-1, D)), self.ids, (V, D), False)
+        if self.padding_idx is not None:
+            keep = np.ones((V, 1), dtype=bool)
+            keep[self.padding_idx] = False
+            dweight = _core.where(keep, dweight, 0.0)
+        return (None, dweight)
+
 
 declare_saved(EmbeddingBackward)           # its indices are a private copy
 
@@ -145,6 +169,10 @@ class DropoutBackward(Node):
 
     def backward(self, g):
         return (np.asarray(g * self.mask),)
+
+    def create_graph(self, g):
+        """y = x * m / (1 - p);  dx = g * m / (1 - p)"""
+        return (_core.mul(g, self.mask),)
 
 
 declare_saved(DropoutBackward)               # only its own mask

@@ -11,6 +11,7 @@ import numpy as np
 
 import microtensor._core as _core
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.autograd.graph_rules import _wants, _const
 from microtensor import ops_extra as _ops
 from microtensor._ops_common import _tensor, _dim, declare_saved
 from microtensor.ops_linalg import vector_norm
@@ -48,6 +49,10 @@ class ConstantPadBackward(Node):
 
     def backward(self, g):
         return (np.ascontiguousarray(np.asarray(g)[self.inner]),)
+
+    def create_graph(self, g):
+        """y = value everywhere, y[inner] = x;  dx = g[inner]"""
+        return (_core.getitem(g, self.inner),)
 
 
 declare_saved(ConstantPadBackward)
@@ -160,6 +165,29 @@ class BinaryCrossEntropyBackward(Node):
             dx = (w * (x - t) / np.maximum(x * (1 - x), 1e-12) * g).astype(x.dtype)
         if self.inputs[1] is not None and self.inputs[1].requires_grad:
             dt = (w * (self.log1mx - self.logx) * g).astype(x.dtype)
+        return (dx, dt)
+
+    def create_graph(self, g):
+        """l = -w (t log x + (1-t) log(1-x));  dx = w (x - t) / max(x (1-x), 1e-12) g,
+        dt = w (log(1-x) - log x) g   (logs clamped at -100, as the forward)"""
+        x, t = self.inputs
+        xa = self.x
+        if self.reduction == "mean":
+            g = _core.div(g, float(xa.size))
+        x = x if x is not None else wrap(xa)
+        t = t if t is not None else wrap(self.t)
+        w = _const(self.w, g.dtype)
+        dx = dt = None
+        if _wants(self, 0):
+            tiny = xa * (1 - xa) < 1e-12
+            denom = _core.where(tiny, 1e-12, _core.mul(x, _core.sub(1.0, x)))
+            dx = _core.mul(_core.div(_core.mul(_core.sub(x, t), w), denom), g)
+        if _wants(self, 1):
+            def clamped_log(v, low):                  # log(v), -100 where it is below -100
+                return _core.where(low, -100.0, _core.log(_core.where(low, 1.0, v)))
+            log_x = clamped_log(x, self.logx <= -100)
+            log_1mx = clamped_log(_core.sub(1.0, x), self.log1mx <= -100)
+            dt = _core.mul(_core.mul(_core.sub(log_1mx, log_x), w), g)
         return (dx, dt)
 
 

@@ -18,6 +18,7 @@ node (the rule) sits right above its forward function.
 import numpy as np
 
 from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+import microtensor._core as _core
 from microtensor._ops_common import declare_saved
 
 __all__ = ["rotary_embedding"]
@@ -68,6 +69,13 @@ class RopeBackward(Node):
 
     def backward(self, grad_output):
         return (rope_rotate_backward(grad_output, self.cos, self.sin),)
+
+    def create_graph(self, g):
+        """y = x cos + R x sin;  dx = g cos + R^T (g sin),  R^T [u1, u2] = [u2, -u1]"""
+        half = g.shape[-1] // 2
+        gs = _core.mul(g, self.sin)
+        rotated = _core.cat([gs[..., half:], _core.neg(gs[..., :half])], -1)
+        return (_core.add(_core.mul(g, self.cos), rotated),)
 
 
 declare_saved(RopeBackward)        # it reads only its own tables
