@@ -17,7 +17,8 @@ from microtensor.nn import functional
 from microtensor.nn import init
 from microtensor.nn import utils
 from microtensor.nn import parallel
-from microtensor.nn.module import Module, Sequential, ModuleList, ModuleDict, StateDictError
+from microtensor.nn.module import Module, StateDictError
+from microtensor.nn.containers import Sequential, ModuleList, ModuleDict
 from microtensor.nn.layers import (
     Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU, Tanh, Identity,
 )

@@ -1,5 +1,5 @@
-"""nn.Module (the containers Sequential, ModuleList, ModuleDict are in containers.py and
-re-exported here).
+"""nn.Module (the containers Sequential, ModuleList, ModuleDict, which subclass it, are in
+containers.py).
 
 A Module owns three ordered dicts: `_parameters`, `_buffers` and `_modules`.
 Assigning an attribute files the value into the right one, as torch does:
@@ -457,6 +457,3 @@ class Module:
             return f"{self._get_name()}({extra})"
         return self._get_name() + "(\n  " + "\n  ".join(extra_lines + child_lines) + "\n)"
 
-
-# the containers subclass Module, so they are imported once it exists
-from microtensor.nn.containers import _index, Sequential, ModuleList, ModuleDict  # noqa: E402,F401
