@@ -17,7 +17,9 @@ into this one extension so that ops reach tensors' fields at C speed:
   tensor.pxi          Tensor, Parameter
   registry.pxi        the op registry: one row makes mt.<op>, t.<op>() and the operator
   creation.pxi        creation functions, the random generator
-  ops_pointwise.pxi   + - * / ** and unary ops, where, masked_fill
+  graph_helpers.pxi   what the create-graph rules (each node's create_graph) share
+  ops_pointwise.pxi   + - * / **, where, masked_fill, casts
+  ops_unary.pxi       exp, log, sqrt, tanh, sigmoid, relu, abs, clamp
   ops_logical.pxi     comparisons, logical ops, isnan/isfinite (bool results, no gradient)
   ops_reduce.pxi      sum, mean, var, amax/max, argmax, logsumexp
   ops_shape.pxi       reshape/view, permute, expand, cat/stack, split, indexing
@@ -41,7 +43,9 @@ include "capture_hook.pxi"
 include "tensor.pxi"
 include "registry.pxi"
 include "creation.pxi"
+include "graph_helpers.pxi"
 include "ops_pointwise.pxi"
+include "ops_unary.pxi"
 include "ops_logical.pxi"
 include "ops_reduce.pxi"
 include "ops_shape.pxi"

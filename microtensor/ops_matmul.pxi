@@ -70,6 +70,34 @@ cdef class MatmulBackward(Node):
     cpdef release(self):
         self.a = self.b = None
 
+    def create_graph(self, g):
+        """y = a @ b;  da = g @ b^T,  db = a^T @ g   (1-D operands and batch dims as numpy)"""
+        a, b = _live(self, 0, self.a), _live(self, 1, self.b)
+        a = a if isinstance(a, Tensor) else wrap(a)
+        b = b if isinstance(b, Tensor) else wrap(b)
+        a1, b1 = a.ndim == 1, b.ndim == 1
+        if a1 and b1:                        # a dot product: g is 0-d
+            return (mul(g, b) if _wants(self, 0) else None,
+                    mul(g, a) if _wants(self, 1) else None)
+        a2 = unsqueeze(a, 0) if a1 else a
+        b2 = unsqueeze(b, -1) if b1 else b
+        if a1:
+            g = unsqueeze(g, -2)
+        if b1:
+            g = unsqueeze(g, -1)
+        da = db = None
+        if _wants(self, 0):
+            da = matmul(g, transpose(b2, -1, -2))
+            if a1:
+                da = squeeze(da, -2)
+            da = _sum_to(da, a.shape)
+        if _wants(self, 1):
+            db = matmul(transpose(a2, -1, -2), g)
+            if b1:
+                db = squeeze(db, -1)
+            db = _sum_to(db, b.shape)
+        return (da, db)
+
 
 def matmul(a, b):
     x, y = _operand(a), _operand(b)

@@ -66,6 +66,11 @@ cdef class AddBackward(Node):
     cpdef tuple backward(self, g):
         return (unbroadcast(g, self.ashape), unbroadcast(g, self.bshape))
 
+    def create_graph(self, g):
+        """y = a + b;  da = g,  db = g"""
+        return (_sum_to(g, self.ashape) if _wants(self, 0) else None,
+                _sum_to(g, self.bshape) if _wants(self, 1) else None)
+
 
 def add(a, b, alpha=1):
     if alpha != 1:
@@ -88,6 +93,11 @@ cdef class SubBackward(Node):
         if self.inputs[1] is not None:
             db = unbroadcast(np.negative(g), self.bshape)
         return (unbroadcast(g, self.ashape), db)
+
+    def create_graph(self, g):
+        """y = a - b;  da = g,  db = -g"""
+        return (_sum_to(g, self.ashape) if _wants(self, 0) else None,
+                _sum_to(neg(g), self.bshape) if _wants(self, 1) else None)
 
 
 def sub(a, b, alpha=1):
@@ -119,6 +129,12 @@ cdef class MulBackward(Node):
     cpdef release(self):
         self.a = self.b = None
 
+    def create_graph(self, g):
+        """y = a * b;  da = g * b,  db = g * a"""
+        a, b = _live(self, 0, self.a), _live(self, 1, self.b)
+        return (_sum_to(mul(g, b), _value_shape(self.a)) if _wants(self, 0) else None,
+                _sum_to(mul(g, a), _value_shape(self.b)) if _wants(self, 1) else None)
+
 
 def mul(a, b):
     x, y = _operand(a), _operand(b)
@@ -145,6 +161,13 @@ cdef class DivBackward(Node):
 
     cpdef release(self):
         self.a = self.b = None
+
+    def create_graph(self, g):
+        """y = a / b;  da = g / b,  db = -(g / b) * a / b"""
+        a, b = _live(self, 0, self.a), _live(self, 1, self.b)
+        ga = div(g, b)
+        return (_sum_to(ga, _value_shape(self.a)) if _wants(self, 0) else None,
+                _sum_to(neg(div(mul(ga, a), b)), _value_shape(self.b)) if _wants(self, 1) else None)
 
 
 def div(a, b):
@@ -186,6 +209,31 @@ cdef class PowBackward(Node):
     cpdef release(self):
         self.a = self.b = self.out = None
 
+    def create_graph(self, g):
+        """y = a ** b;  da = g * b * a^(b-1),  db = g * a^b * log(a)"""
+        a, b = _live(self, 0, self.a), _live(self, 1, self.b)
+        dtype = g.dtype
+        da = db = None
+        if _wants(self, 0):
+            if isinstance(self.b, (int, float)):
+                # NOTE: x**0 has gradient 0 everywhere, also at x = 0 (not 0 * inf)
+                da = mul(g, mul(pow(a, self.b - 1), self.b)) if self.b != 0 else mul(g, 0.0)
+            else:
+                local = where(self.b == 0, 0.0, mul(b, pow(a, sub(b, 1.0))))
+                da = _sum_to(mul(g, local), _value_shape(self.a))
+        if _wants(self, 1):
+            # d/de x**e at x = 0 (e >= 0) is 0, as in torch; log(1) stands in for log(0) there,
+            # so the masked branch stays finite in every later derivative too
+            zero = (np.asarray(self.a) == 0) & (np.asarray(self.b) >= 0)
+            if isinstance(a, Tensor):
+                log_a = log(where(zero, 1.0, a))
+            else:                       # a constant base: its log is a constant
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    log_a = _const(np.log(np.where(zero, 1.0, self.a)), dtype)
+            local = where(zero, 0.0, mul(pow(a, b), log_a))
+            db = _sum_to(mul(g, local), _value_shape(self.b))
+        return (da, db)
+
 
 def pow(a, exponent):
     b = exponent
@@ -209,6 +257,10 @@ cdef class NegBackward(Node):
     cpdef tuple backward(self, g):
         return (np.negative(g),)
 
+    def create_graph(self, g):
+        """y = -x;  dx = -g"""
+        return (neg(g),)
+
 
 def neg(x):
     cdef Tensor t = _t(x)
@@ -218,199 +270,6 @@ def neg(x):
     if _grad_on() and t._requires_grad:
         _attach(out, NegBackward.__new__(NegBackward), (t,))
     return out
-
-
-# ---- unary ops with a Cython backward kernel -----------------------------------------
-
-cdef inline object _float_data(Tensor t, str op):
-    """Float ops on an integer (or bool) tensor compute in float32, as torch does; a
-    complex tensor is refused (casting it would drop the imaginary part unsaid)."""
-    d = t._data
-    if d.dtype.kind == "f":
-        return d
-    if d.dtype.kind not in "biu":
-        raise TypeError(f"{op}: tensors of dtype {_dtype_name(d.dtype)} are not supported "
-                        f"(float, integer or bool)")
-    return d.astype(float32)
-
-
-cdef inline object _kernel_float(object dt, str op):
-    """The float type the Cython kernels run in for data of dtype dt: float32 and float64
-    as they are, float16 in float32 (rounded back to float16 after, as torch computes
-    half precision on the CPU). Any other dtype: a TypeError that names it."""
-    if dt == float32 or dt == float64:
-        return dt
-    if dt == np.float16:
-        return float32
-    raise TypeError(f"{op}: no kernel for dtype {_dtype_name(dt)} "
-                    f"(float16, float32 or float64)")
-
-
-cdef inline object _flat(object a):
-    return _contig(a).reshape(-1)
-
-
-cdef class UnaryBackward(Node):
-    """Shared shape of the elementwise nodes: `saved` is x or y, `kernel` the rule."""
-    cdef readonly object saved
-    cdef readonly object kernel
-
-    cpdef tuple backward(self, g):
-        saved = self.saved
-        work = _kernel_float(saved.dtype, self.name())
-        dinp = np.empty(saved.shape, dtype=work)
-        self.kernel(dinp.reshape(-1), _flat(np.asarray(g, dtype=work)),
-                    _flat(saved.astype(work, copy=False)))
-        return (dinp if work == saved.dtype else dinp.astype(saved.dtype),)
-
-    cpdef release(self):
-        self.saved = None
-
-    def name(self):
-        return self.kernel.__name__.split("_")[0].capitalize() + "Backward"
-
-
-def unary_saved_output(UnaryBackward node):
-    """The output an exp/sqrt/tanh/sigmoid node saved, as a tensor whose graph leads back
-    to the node's input through the same rule. Create-graph rules read it (as PyTorch
-    does) instead of recomputing it from an input that may have changed in place since."""
-    if node.saved is None:
-        raise RuntimeError(f"{node.name()}: its saved output has already been freed")
-    cdef Tensor res = Tensor._wrap(node.saved)
-    cdef UnaryBackward again
-    inp = node.inputs[0] if node.inputs else None
-    if _grad_on() and inp is not None and (<Tensor>inp)._requires_grad:
-        again = UnaryBackward.__new__(UnaryBackward)
-        again.kernel, again.saved = node.kernel, node.saved
-        again._saves = SAVES_OUTPUT
-        _attach(res, again, (inp,))
-    return res
-
-
-cdef inline Tensor _unary_result(Tensor t, object out, object kernel, object saved):
-    cdef Tensor res = Tensor._wrap(out)
-    cdef UnaryBackward node
-    if _grad_on() and t._requires_grad:
-        node = UnaryBackward.__new__(UnaryBackward)
-        node.kernel = kernel
-        node.saved = saved
-        node._saves = SAVES_OUTPUT if saved is out else 1
-        _attach(res, node, (t,))
-    return res
-
-
-def exp(x):
-    """y = e^x;  dx = g * y"""
-    cdef Tensor t = _t(x)
-    out = np.exp(_float_data(t, "exp"))
-    return _unary_result(t, out, exp_backward, out)
-
-
-def log(x):
-    """y = ln x;  dx = g / x"""
-    cdef Tensor t = _t(x)
-    d = _float_data(t, "log")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.log(d)
-    return _unary_result(t, out, log_backward, d)
-
-
-def sqrt(x):
-    """y = sqrt(x);  dx = g / (2y)"""
-    cdef Tensor t = _t(x)
-    with np.errstate(invalid="ignore"):
-        out = np.sqrt(_float_data(t, "sqrt"))
-    return _unary_result(t, out, sqrt_backward, out)
-
-
-def tanh(x):
-    """y = tanh x;  dx = g * (1 - y^2)"""
-    cdef Tensor t = _t(x)
-    out = np.tanh(_float_data(t, "tanh"))
-    return _unary_result(t, out, tanh_backward, out)
-
-
-def sigmoid(x):
-    """y = 1 / (1 + e^-x);  dx = g * y * (1 - y)"""
-    cdef Tensor t = _t(x)
-    d = _contig(_float_data(t, "sigmoid"))
-    work = _kernel_float(d.dtype, "sigmoid")
-    out = np.empty(d.shape, dtype=work)
-    sigmoid_forward(out.reshape(-1), d.astype(work, copy=False).reshape(-1))
-    if work != d.dtype:
-        out = out.astype(d.dtype)
-    return _unary_result(t, out, sigmoid_backward, out)
-
-
-def relu(x):
-    """y = max(x, 0);  dx = g * (x > 0)"""
-    cdef Tensor t = _t(x)
-    d = t._data
-    if d.dtype.kind in "iu":
-        return Tensor._wrap(np.maximum(d, 0))
-    if d.dtype.kind != "f":                               # bool and complex, as torch
-        raise TypeError(f"relu: tensors of dtype {_dtype_name(d.dtype)} are not supported "
-                        f"(float or integer)")
-    d = _contig(d)
-    work = _kernel_float(d.dtype, "relu")
-    out = np.empty(d.shape, dtype=work)
-    relu_forward(out.reshape(-1), d.astype(work, copy=False).reshape(-1))
-    if work != d.dtype:
-        out = out.astype(d.dtype)
-    return _unary_result(t, out, relu_backward, d)
-
-
-def abs(x):
-    """y = |x|;  dx = g * sign(x)"""
-    cdef Tensor t = _t(x)
-    d = t._data
-    if d.dtype == bool_:                                  # as torch
-        raise TypeError("abs: tensors of dtype bool are not supported (float or integer)")
-    out = np.abs(d)
-    if d.dtype.kind != "f":
-        return Tensor._wrap(out)
-    return _unary_result(t, out, abs_backward, d)
-
-
-cdef class ClampBackward(Node):
-    """y = min(max(x, lo), hi);  dx = g where lo <= x <= hi"""
-    cdef readonly object x
-    cdef readonly double lo, hi
-    cpdef tuple backward(self, g):
-        x = self.x
-        work = _kernel_float(x.dtype, "ClampBackward")
-        dinp = np.empty(x.shape, dtype=work)
-        clamp_backward(dinp.reshape(-1), _flat(np.asarray(g, dtype=work)),
-                       _flat(x.astype(work, copy=False)), self.lo, self.hi)
-        return (dinp if work == x.dtype else dinp.astype(x.dtype),)
-
-    cpdef release(self):
-        self.x = None
-
-
-def clamp(x, min=None, max=None):
-    cdef Tensor t = _t(x)
-    if min is None and max is None:
-        raise ArgumentError("clamp: at least one of 'min' or 'max' must not be None")
-    if isinstance(min, Tensor) or isinstance(max, Tensor):
-        # tensor bounds: compose from where() so gradients reach them too
-        out = x
-        if min is not None:
-            out = where(lt(out, min), min, out)
-        if max is not None:
-            out = where(gt(out, max), max, out)
-        return out
-    d = t._data
-    out = np.clip(d, min, max)
-    cdef Tensor res = Tensor._wrap(out)
-    cdef ClampBackward node
-    if _grad_on() and t._requires_grad:
-        node = ClampBackward.__new__(ClampBackward)
-        node.x = d
-        node.lo = -np.inf if min is None else min
-        node.hi = np.inf if max is None else max
-        _attach(res, node, (t,))
-    return res
 
 
 # ---- selection -------------------------------------------------------------------
@@ -429,6 +288,11 @@ cdef class WhereBackward(Node):
 
     cpdef release(self):
         self.cond = None
+
+    def create_graph(self, g):
+        """y = cond ? a : b;  da = g * cond,  db = g * !cond"""
+        return (_sum_to(where(self.cond, g, 0.0), self.ashape) if _wants(self, 0) else None,
+                _sum_to(where(self.cond, 0.0, g), self.bshape) if _wants(self, 1) else None)
 
 
 def where(condition, input=None, other=None):
@@ -492,6 +356,10 @@ cdef class CastBackward(Node):
     cpdef tuple backward(self, g):
         return (g.astype(self.dtype),)
 
+    def create_graph(self, g):
+        """y = x.to(dtype);  dx = g.to(x.dtype)"""
+        return (_cast(g, self.dtype),)
+
 
 def _cast(x, dtype, bint copy=False):
     cdef Tensor t = _t(x)
@@ -545,7 +413,6 @@ declare_saved(NegBackward)
 declare_saved(MulBackward, 0, 1)
 declare_saved(DivBackward, 0, 1)
 declare_saved(PowBackward, 0, 1, output=True)
-declare_saved(ClampBackward, 0)
 declare_saved(WhereBackward)
 declare_saved(CastBackward)
 
@@ -559,14 +426,5 @@ register_op("pow", pow, operator="**")
 register_op("neg", neg, operator="unary -")
 register_op("floor_divide", floor_divide, operator="//")
 register_op("remainder", remainder, operator="%")
-register_op("exp", exp)
-register_op("log", log)
-register_op("sqrt", sqrt)
-register_op("tanh", tanh)
-register_op("sigmoid", sigmoid)
-register_op("relu", relu)
-register_op("abs", abs, operator="abs()")
-register_op("clamp", clamp)
-register_op("clip", clamp)
 register_op("where", where, method=lambda self, condition, other: where(condition, self, other))
 register_op("masked_fill", masked_fill)

@@ -18,6 +18,10 @@ cdef class SumBackward(Node):
     cpdef tuple backward(self, g):
         return (_expand_back(g, self.shape, self.dims, self.keepdim),)
 
+    def create_graph(self, g):
+        """y = sum(x, dims);  dx = broadcast(g)"""
+        return (expand(_keepdim(g, self.shape, self.dims, self.keepdim), self.shape),)
+
 
 def sum(x, dim=None, keepdim=False, dtype=None, keepdims=None):
     if keepdims is not None:
@@ -46,6 +50,11 @@ cdef class MeanBackward(Node):
     cdef readonly Py_ssize_t n
     cpdef tuple backward(self, g):
         return (_expand_back(g / self.n, self.shape, self.dims, self.keepdim),)
+
+    def create_graph(self, g):
+        """y = mean(x, dims);  dx = broadcast(g) / n"""
+        g = div(_keepdim(g, self.shape, self.dims, self.keepdim), float(self.n))
+        return (expand(g, self.shape),)
 
 
 def mean(x, dim=None, keepdim=False, dtype=None, keepdims=None):
@@ -85,6 +94,13 @@ cdef class VarBackward(Node):
 
     cpdef release(self):
         self.centered = None
+
+    def create_graph(self, g):
+        """y = sum((x - mean)^2) / (n - correction);  dx = g * 2 (x - mean) / (n - correction)"""
+        x = self.inputs[0]
+        centered = sub(x, mean(x, self.dims, True))
+        g = _keepdim(g, x.shape, self.dims, self.keepdim)
+        return (mul(mul(g, 2.0 / self.denom), centered),)
 
 
 def var(x, dim=None, keepdim=False, correction=1, unbiased=None):
@@ -154,6 +170,17 @@ cdef class AmaxBackward(Node):
     cpdef release(self):
         self.x = self.out = None
 
+    def create_graph(self, g):
+        """y = max over dims;  dx = g / (number of ties) at every maximal element"""
+        out = self.out
+        if not self.keepdim and self.dims:
+            out = np.expand_dims(out, self.dims)
+        g = _keepdim(g, self.x.shape, self.dims, self.keepdim)
+        hit = _max_hits(self.x, out, self.evenly)
+        count = hit.sum(axis=self.dims, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (mul(div(g, _const(count, g.dtype)), _const(hit, g.dtype)),)
+
 
 def amax(x, dim=None, keepdim=False, keepdims=None):
     return _amax(x, dim, keepdim if keepdims is None else keepdims, False)
@@ -201,6 +228,16 @@ cdef class MaxDimBackward(Node):
 
     cpdef release(self):
         self.indices = None
+
+    def create_graph(self, g):
+        """values = x.max(dim);  dx = g at the index of each maximum, 0 elsewhere"""
+        idx = self.indices
+        if not self.keepdim:
+            g = unsqueeze(g, self.dim)
+            idx = np.expand_dims(idx, self.dim)
+        positions = np.arange(self.shape[self.dim]).reshape(
+            [-1 if i == self.dim else 1 for i in range(len(self.shape))])
+        return (where(positions == idx, g, 0.0),)
 
 
 cdef tuple _max_along(object d, int dim, bint keepdim):
@@ -298,6 +335,11 @@ cdef class MaximumBackward(Node):
 
     cpdef release(self):
         self.weight = self.weight_b = None
+
+    def create_graph(self, g):
+        """y = max(a, b);  da = g * wa,  db = g * wb   (1 to the winner, 1/2 each at ties)"""
+        return (_sum_to(mul(g, self.weight), self.ashape) if _wants(self, 0) else None,
+                _sum_to(mul(g, self.weight_b), self.bshape) if _wants(self, 1) else None)
 
 
 cdef object _extremum(object a, object b, bint is_max):

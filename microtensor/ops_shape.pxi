@@ -35,6 +35,10 @@ cdef class ReshapeBackward(Node):
     cpdef tuple backward(self, g):
         return (g.reshape(self.shape),)
 
+    def create_graph(self, g):
+        """y = x.reshape(shape);  dx = g.reshape(x.shape)"""
+        return (reshape(g, self.shape),)
+
 
 def reshape(x, *shape):
     cdef Tensor t = _t(x)
@@ -118,6 +122,10 @@ cdef class PermuteBackward(Node):
     cpdef tuple backward(self, g):
         return (g.transpose(self.inverse),)
 
+    def create_graph(self, g):
+        """y = x.permute(dims);  dx = g.permute(inverse(dims))"""
+        return (permute(g, tuple(int(d) for d in self.inverse)),)
+
 
 def permute(x, *dims):
     cdef Tensor t = _t(x)
@@ -157,6 +165,10 @@ cdef class ExpandBackward(Node):
     cdef readonly tuple shape
     cpdef tuple backward(self, g):
         return (unbroadcast(g, self.shape),)
+
+    def create_graph(self, g):
+        """y = x.expand(sizes);  dx = unbroadcast(g)"""
+        return (_sum_to(g, self.shape),)
 
 
 def expand(x, *sizes):
@@ -255,6 +267,12 @@ cdef class CatBackward(Node):
             out.append(g[key])
         return tuple(out)
 
+    def create_graph(self, g):
+        """y = cat(xs, dim);  dx_i = the slice of g that x_i filled"""
+        return tuple(getitem(g, (slice(None),) * self.dim + (slice(start, stop),))
+                     if _wants(self, i) else None
+                     for i, (start, stop) in enumerate(self.bounds))
+
 
 def cat(tensors, dim=0):
     tensors = [_t(x) if isinstance(x, Tensor) else Tensor._wrap(_to_array(x, None)) for x in tensors]
@@ -306,6 +324,10 @@ cdef class TrilBackward(Node):
     cdef readonly bint upper
     cpdef tuple backward(self, g):
         return ((np.triu if self.upper else np.tril)(g, self.k),)
+
+    def create_graph(self, g):
+        """y = tril(x, k) (or triu);  dx = tril(g, k)"""
+        return ((triu if self.upper else tril)(g, self.k),)
 
 
 cdef Tensor _tri(object x, int diagonal, bint upper):
@@ -387,6 +409,10 @@ cdef class IndexBackward(Node):
 
     cpdef release(self):
         self.key = None
+
+    def create_graph(self, g):
+        """y = x[key];  dx = zeros, then dx[key] += g"""
+        return (add_at(g, self.key, self.shape, self.basic),)
 
 
 cdef bint _ints_beside_arrays(object key):

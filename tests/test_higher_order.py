@@ -233,7 +233,7 @@ def test_gradgradcheck_catches_a_rule_built_from_saved_arrays(monkeypatch):
     derivative is right, so gradcheck passes; the second is missing a term."""
     def tanh_from_saved(y, g):
         return C.mul(g, 1 - y.numpy() ** 2)
-    monkeypatch.setitem(higher_order._FROM_OUTPUT, "tanh_backward", tanh_from_saved)
+    monkeypatch.setitem(C._FROM_OUTPUT, "tanh_backward", tanh_from_saved)
     x = leaf(2, 3)
     assert mt.gradcheck(mt.tanh, [x])
     (g,) = mt.autograd.grad(x.tanh().sum(), x, create_graph=True)
@@ -257,7 +257,7 @@ def test_gradgradcheck_catches_a_wrong_fused_rule(monkeypatch):
     def softmax_from_saved(node, g):
         y = mt.tensor(np.moveaxis(node.out.reshape(node.moved_shape), -1, node.dim))
         return (y * (g - (g * y).sum(node.dim, keepdim=True)),)
-    monkeypatch.setitem(higher_order.RULES, F.SoftmaxBackward, softmax_from_saved)
+    monkeypatch.setattr(F.SoftmaxBackward, "create_graph", softmax_from_saved)
     with pytest.raises(mt.autograd.GradcheckError, match="input 0"):
         mt.gradgradcheck(lambda x: F.softmax(x, -1), [leaf(2, 4)])
 
@@ -266,7 +266,7 @@ def test_gradgradcheck_catches_a_wrong_gradient_in_grad_outputs(monkeypatch):
     """A rule that drops g from the graph (it uses g's values as a constant)."""
     def exp_detached(y, g):
         return C.mul(g.detach(), y)
-    monkeypatch.setitem(higher_order._FROM_OUTPUT, "exp_backward", exp_detached)
+    monkeypatch.setitem(C._FROM_OUTPUT, "exp_backward", exp_detached)
     with pytest.raises(mt.autograd.GradcheckError, match="grad_output 0"):
         mt.gradgradcheck(mt.exp, [leaf(3)])
 
@@ -466,36 +466,41 @@ def _python_nodes():
 
 
 def test_no_rule_is_found_by_a_name():
-    """Rules are keyed by the node class (the core's Cython nodes) or are the node's own
-    create_graph method: a dotted string can go stale silently when a class moves."""
-    from microtensor.autograd import graph_rules
-    assert all(isinstance(k, type) for k in graph_rules.RULES), \
-        [k for k in graph_rules.RULES if not isinstance(k, type)]
-    with pytest.raises(TypeError, match="node classes"):
-        graph_rules.register("microtensor.ops_extra.PointwiseBackward")
+    """A rule is its node's create_graph method: no table of rules keyed by class or by a
+    dotted name (a name goes stale silently when a class moves)."""
+    from microtensor.autograd import graph_rules, higher_order
+    for module in (graph_rules, higher_order):
+        assert not hasattr(module, "RULES") and not hasattr(module, "register"), module
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "microtensor")
     for dirpath, _, files in os.walk(src):
         for name in files:
             if name.endswith((".py", ".pyx", ".pxi")):
                 text = open(os.path.join(dirpath, name), encoding="utf-8").read()
-                assert "@register(\"" not in text and "RULES.setdefault(\"" not in text, name
+                assert "@register(" not in text and "RULES[" not in text, name
+    assert not [f for f in os.listdir(os.path.join(src, "autograd")) if f.startswith("_rules_")]
 
 
-def test_every_python_node_keeps_its_rule_beside_its_backward():
-    """A node written in Python defines create_graph in its own class body (next to
-    backward), never in a RULES table elsewhere; the ones that are once differentiable
-    on purpose say so by having no rule and are listed here."""
-    from microtensor.autograd import graph_rules
-    once = {  # their gradients are correct; differentiating them again raises, by design
-        "microtensor.autograd.higher_order.NotDifferentiableTwiceBackward",
-    }
-    nodes = _python_nodes()
-    assert len(nodes) > 20, sorted(nodes)           # the walk found the op modules
-    in_table = [n for n, cls in nodes.items() if cls in graph_rules.RULES and n not in once]
-    assert not in_table, f"rules kept away from their node: {in_table}"
+# nodes that are once differentiable on purpose: differentiating their gradient again
+# raises an error naming the node (tests below), it is never silently zero
+ONCE_DIFFERENTIABLE = set()
+
+
+def test_every_node_keeps_its_rule_beside_its_backward():
+    """Every node type of the package, the core's Cython nodes and the Python ones,
+    defines create_graph in its own class body, next to backward."""
     import importlib
-    for module, cls in (("microtensor.nn._activations_fn", "GeluBackward"),
-                        ("microtensor.nn._attention_fn", "AttentionBackward"),
-                        ("microtensor.ops_extra", "PointwiseBackward"),
+    import microtensor._core as core
+    nodes = dict(_python_nodes())
+    for name in dir(core):
+        cls = getattr(core, name)
+        if isinstance(cls, type) and issubclass(cls, core.Node) and cls is not core.Node \
+                and "backward" in vars(cls):
+            nodes[f"microtensor._core.{name}"] = cls
+    assert len(nodes) > 40, sorted(nodes)             # the walk found the op modules
+    missing = sorted(n for n, cls in nodes.items()
+                     if "create_graph" not in vars(cls) and n not in ONCE_DIFFERENTIABLE)
+    assert not missing, f"nodes without a create_graph rule beside their backward: {missing}"
+    for module, cls in (("microtensor._core", "AddBackward"), ("microtensor._core", "UnaryBackward"),
+                        ("microtensor.nn._activations_fn", "GeluBackward"),
                         ("microtensor.ops_index", "ScatterBackward")):
         assert "create_graph" in vars(getattr(importlib.import_module(module), cls)), cls

@@ -2,7 +2,7 @@
 
 The engine itself (the Node type and the backward traversal) lives in
 `autograd_engine.pxi`; this package is its public face. Higher-order gradients
-(`create_graph=True`): the rules in `higher_order.py`; Jacobians, Hessians and
+(`create_graph=True`): each node's `create_graph` rule, run by `higher_order.py`; Jacobians, Hessians and
 vector products: `mt.autograd.functional`.
 """
 import numpy as np

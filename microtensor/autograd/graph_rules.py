@@ -1,122 +1,30 @@
 """What create-graph rules share, and where the engine finds one.
 
-A node's rule is its `create_graph(self, g)` method, written beside its `backward` in
-the op's own file (nn/_activations_fn.py, ops_extra.py, ...). The core's Cython nodes
-take theirs from RULES (keyed by the node class; `register`), filled by the
-autograd/_rules_*.py modules. `rule_for` finds either. Also here: small helpers on inputs,
-shapes and constants; `add_at`, the differentiable scatter that is indexing's gradient;
-and `_through_primitives`, which differentiates an op by running its forward again as
-differentiable primitives (the rule of the fused ops whose backward formula is long).
+Every node's rule is its `create_graph(self, g)` method, written beside its `backward`
+in the op's own file (ops_pointwise.pxi, nn/_activations_fn.py, ops_extra.py, ...):
+the same gradients as `backward`, computed with differentiable ops so that
+create_graph=True can differentiate them again. `rule_for` finds it. Also here, for the
+rules written in Python: the helpers on inputs, shapes and constants and `add_at` (the
+differentiable scatter that is indexing's gradient), which live in the core
+(graph_helpers.pxi) because its own nodes' rules use them too; and `_through_primitives`,
+which differentiates an op by running its forward again as differentiable primitives
+(the rule of the fused ops whose backward formula is long).
 """
-import numpy as np
-
 import microtensor._core as C
-from microtensor._core import Tensor, Node, wrap, attach, needs_graph
-
-RULES = {}
-
-
-def register(*node_types):
-    """@register(NodeClass, ...) adds a rule for those node types (classes, never names:
-    a rule beside its node is a `create_graph(self, g)` method instead)."""
-    for t in node_types:
-        if not isinstance(t, type):
-            raise TypeError(f"register takes node classes, got {t!r}")
-
-    def add(rule):
-        for t in node_types:
-            RULES[t] = rule
-        return rule
-    return add
+from microtensor._core import (  # noqa: F401  (the helpers the rules share)
+    _wants, _live, _value_shape, _sum_to, _keepdim, _const, IndexAddBackward, add_at,
+)
 
 
 def rule_for(node_type):
-    """The create-graph rule of a node type, or None: the one in RULES, else the node's
-    own `create_graph(g)` method (a rule written beside its backward)."""
-    rule = RULES.get(node_type)
-    if rule is None and callable(getattr(node_type, "create_graph", None)):
+    """The create-graph rule of a node type, or None: its `create_graph` method."""
+    if callable(getattr(node_type, "create_graph", None)):
         return _method_rule
-    return rule
+    return None
 
 
 def _method_rule(node, g):
     return node.create_graph(g)
-
-
-# ---- helpers -----------------------------------------------------------------------
-
-def _wants(node, i):
-    t = node.inputs[i] if i < len(node.inputs) else None
-    return t is not None and t.requires_grad
-
-
-def _live(node, i, saved):
-    """Input i as the live tensor when it is one (so gradients reach it), else the
-    constant the node saved (a numpy array or a Python scalar)."""
-    t = node.inputs[i] if i < len(node.inputs) else None
-    return t if t is not None else saved
-
-
-def _shape_of(x):
-    return tuple(x.shape) if isinstance(x, (np.ndarray, Tensor)) else ()
-
-
-def _sum_to(g, shape):
-    """unbroadcast for tensors: sum g down to `shape` (differentiable: a sum)."""
-    shape = tuple(shape)
-    if tuple(g.shape) == shape:
-        return g
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = C.sum(g, tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
-    if axes:
-        g = C.sum(g, axes, True)
-    return g
-
-
-def _keepdim(g, in_shape, dims, keepdim):
-    """A reduced gradient with its reduced dims put back as size 1."""
-    if keepdim or not dims:
-        return g
-    shape = tuple(1 if i in dims else s for i, s in enumerate(in_shape))
-    return C.reshape(g, shape)
-
-
-def _const(a, dtype):
-    """A constant array in the gradient's dtype (a float64 array would promote)."""
-    return np.asarray(a, dtype=dtype)
-
-
-# ---- indexing's gradient, as an op ---------------------------------------------------
-
-class IndexAddBackward(Node):
-    """y = zeros(shape); y[key] += x  (the gradient of indexing, as an op);  dx = g[key]
-
-    Indexing's backward scatters; the backward of that scatter gathers again, so the
-    two rules close the loop for every order."""
-
-    def backward(self, g):
-        return (np.asarray(g)[self.key],)
-
-    def create_graph(self, g):
-        return (C.getitem(g, self.key),)
-
-
-def add_at(x, key, shape, basic):
-    """zeros(shape) with x added at [key] (repeated indices accumulate), differentiably:
-    the gradient of indexing, of embedding and of scatter."""
-    out = np.zeros(shape, dtype=x._data.dtype)
-    if basic:
-        out[key] = x._data
-    else:
-        np.add.at(out, key, x._data)
-    out = wrap(out)
-    if needs_graph((x,)):
-        node = IndexAddBackward()
-        node.key = key
-        attach(out, node, (x,))
-    return out
 
 
 # ---- the rule written from primitives -------------------------------------------------

@@ -5,9 +5,10 @@ returns has no history. With `create_graph=True` the engine calls `create_graph_
 below instead, and every node's gradient is computed by *differentiable tensor ops*, so
 the gradients it returns have a `grad_fn` and can be differentiated again, to any order.
 
-Each node type has one rule, `rule(node, grad_output) -> one gradient per input`: the
-node's own `create_graph(self, g)` method, beside its backward in the op's file, or, for
-the core's Cython nodes, RULES[NodeClass] (autograd/graph_rules.py).
+Each node type has one rule, its `create_graph(self, g)` method (one gradient per
+input), written beside its `backward` in the op's own file: the core's ops in their
+.pxi family files (ops_pointwise.pxi, ops_unary.pxi, ops_reduce.pxi, ops_shape.pxi,
+ops_matmul.pxi), the others beside their Python nodes.
 
 A rule reads `node.inputs` (the live input tensors) wherever the gradient depends on an
 input's value, so that the second derivative flows back into that input. The arrays a
@@ -25,34 +26,19 @@ method, in autograd/function.py), so it is as differentiable as the ops it is wr
 with; a node with no rule at all is once differentiable: its gradient is correct, and
 differentiating it again raises an error naming the node.
 
-This module holds the entry point and the once-differentiable fallback; the registry
-and the shared helpers are in `graph_rules.py`; the Cython nodes' rules in
-`_rules_pointwise.py`, `_rules_reduce.py` and `_rules_shape.py` (shapes, indexing,
-matmul). Every other op's rule is a method of its node.
+This module holds the entry point and the once-differentiable fallback; where a rule is
+found and the helpers rules share are in `graph_rules.py`.
 """
 import numpy as np
 
 import microtensor._core as C
 from microtensor._core import Tensor, Node, wrap, attach
-# the registry and the helpers the rules share
+# where a rule is found, and the helpers the rules share
 from microtensor.autograd.graph_rules import (  # noqa: F401
-    RULES, register, rule_for, IndexAddBackward, add_at, _wants, _live, _shape_of, _sum_to, _keepdim, _const,
-    _through_primitives, _reroot,
+    rule_for, IndexAddBackward, add_at, _wants, _live, _value_shape, _sum_to, _keepdim,
+    _const, _through_primitives, _reroot,
 )
-# the rules, one module per op family (importing them fills RULES)
-from microtensor.autograd._rules_pointwise import (  # noqa: F401
-    _add, _sub, _mul, _div, _pow, _neg, _unary_exp, _unary_log, _unary_sqrt,
-    _unary_tanh, _unary_sigmoid, _unary_relu, _unary_abs, _FROM_OUTPUT, _FROM_INPUT,
-    _unary, _clamp,
-    _where, _cast, _maximum,
-)
-from microtensor.autograd._rules_reduce import (  # noqa: F401
-    _sum, _mean, _var, _amax, _max_dim,
-)
-from microtensor.autograd._rules_shape import (  # noqa: F401
-    _reshape, _permute, _expand, _cat, _tril,
-    _index, _matmul,
-)
+
 
 def create_graph_rule(node, grad_output):
     """The engine's entry point: one differentiable gradient (or None) per node input."""
@@ -84,10 +70,8 @@ class NotDifferentiableTwiceBackward(Node):
     def backward(self, g):
         raise RuntimeError(self.message)
 
-
-@register(NotDifferentiableTwiceBackward)
-def _not_twice(node, g):
-    raise RuntimeError(node.message)
+    def create_graph(self, g):
+        raise RuntimeError(self.message)
 
 
 def _once_differentiable(node, g, message):
