@@ -222,6 +222,10 @@ def _install_exit_guard():
         if _state.failed or _state.uncaught:
             sys.stdout.flush()
             sys.stderr.flush()
+            # NOTE: the launcher forwards each rank's output through its own pipes, and
+            # MPI_Abort tears those down at once: without a pause the end of the error
+            # (its last line, the one that says what happened) was lost now and then
+            time.sleep(0.5)
             _state.MPI.COMM_WORLD.Abort(_state.exit_status)
 
     atexit.register(abort_if_broken)
