@@ -219,7 +219,6 @@ KNOWN_CIRCLES = [
     {"microtensor._blas", "microtensor._blas_choice", "microtensor._fused",
      "microtensor._fused_attention"},
     {"microtensor._core", "microtensor.autograd.graph_rules", "microtensor.autograd.higher_order"},
-    {"microtensor.autograd", "microtensor.autograd.functional"},
     {"microtensor.nn._activations_fn", "microtensor.nn._attention_fn",
      "microtensor.nn._losses_fn", "microtensor.nn._normalization_fn",
      "microtensor.nn.functional", "microtensor.nn.functional_extra"},

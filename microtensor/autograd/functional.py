@@ -19,7 +19,7 @@ import numpy as np
 
 import microtensor._core as C
 from microtensor._core import Tensor, wrap
-from microtensor.autograd import grad as _grad
+from microtensor.autograd.gradients import grad as _grad
 
 __all__ = ["vjp", "jvp", "vhp", "hvp", "jacobian", "hessian"]
 
