@@ -22,11 +22,6 @@ def _live(node, i, saved):
     return t if t is not None else saved
 
 
-def _value_shape(x):
-    """The shape of an array or tensor; () for a Python scalar."""
-    return tuple(x.shape) if isinstance(x, (np.ndarray, Tensor)) else ()
-
-
 def _sum_to(g, shape):
     """unbroadcast for tensors: sum g down to `shape` (differentiable: a sum)."""
     shape = tuple(shape)

@@ -132,8 +132,8 @@ cdef class MulBackward(Node):
     def create_graph(self, g):
         """y = a * b;  da = g * b,  db = g * a"""
         a, b = _live(self, 0, self.a), _live(self, 1, self.b)
-        return (_sum_to(mul(g, b), _value_shape(self.a)) if _wants(self, 0) else None,
-                _sum_to(mul(g, a), _value_shape(self.b)) if _wants(self, 1) else None)
+        return (_sum_to(mul(g, b), _shape_of(self.a)) if _wants(self, 0) else None,
+                _sum_to(mul(g, a), _shape_of(self.b)) if _wants(self, 1) else None)
 
 
 def mul(a, b):
@@ -166,8 +166,8 @@ cdef class DivBackward(Node):
         """y = a / b;  da = g / b,  db = -(g / b) * a / b"""
         a, b = _live(self, 0, self.a), _live(self, 1, self.b)
         ga = div(g, b)
-        return (_sum_to(ga, _value_shape(self.a)) if _wants(self, 0) else None,
-                _sum_to(neg(div(mul(ga, a), b)), _value_shape(self.b)) if _wants(self, 1) else None)
+        return (_sum_to(ga, _shape_of(self.a)) if _wants(self, 0) else None,
+                _sum_to(neg(div(mul(ga, a), b)), _shape_of(self.b)) if _wants(self, 1) else None)
 
 
 def div(a, b):
@@ -220,7 +220,7 @@ cdef class PowBackward(Node):
                 da = mul(g, mul(pow(a, self.b - 1), self.b)) if self.b != 0 else mul(g, 0.0)
             else:
                 local = where(self.b == 0, 0.0, mul(b, pow(a, sub(b, 1.0))))
-                da = _sum_to(mul(g, local), _value_shape(self.a))
+                da = _sum_to(mul(g, local), _shape_of(self.a))
         if _wants(self, 1):
             # d/de x**e at x = 0 (e >= 0) is 0, as in torch; log(1) stands in for log(0) there,
             # so the masked branch stays finite in every later derivative too
@@ -231,7 +231,7 @@ cdef class PowBackward(Node):
                 with np.errstate(divide="ignore", invalid="ignore"):
                     log_a = _const(np.log(np.where(zero, 1.0, self.a)), dtype)
             local = where(zero, 0.0, mul(pow(a, b), log_a))
-            db = _sum_to(mul(g, local), _value_shape(self.b))
+            db = _sum_to(mul(g, local), _shape_of(self.b))
         return (da, db)
 
 

@@ -12,7 +12,7 @@ which differentiates an op by running its forward again as differentiable primit
 """
 import microtensor._core as C
 from microtensor._core import (  # noqa: F401  (the helpers the rules share)
-    _wants, _live, _value_shape, _sum_to, _keepdim, _const, IndexAddBackward, add_at,
+    _wants, _live, _sum_to, _keepdim, _const, IndexAddBackward, add_at,
 )
 
 
