@@ -5,7 +5,7 @@ language level 3, bounds checks and negative-index wraparound off, C division.
 Set MICROTENSOR_DEBUG=1 to turn bounds checks back on (slower, for debugging a kernel).
 Set MICROTENSOR_NATIVE=1 to compile with -march=native (faster, not portable).
 OpenMP is used when the compiler accepts it; otherwise the build is serial and says so.
-Set MICROTENSOR_BUILD_ONLY=microtensor._core (comma-separated) to rebuild some extensions only.
+Set MICROTENSOR_BUILD_ONLY=microtensor.core._core (comma-separated) to rebuild some extensions only.
 Set MICROTENSOR_PARALLEL_MIN_SCALE=0 to build with the kernels' parallel thresholds off
 (benchmarks/bench_thresholds.py measures below them that way; any other number scales them).
 
@@ -13,7 +13,7 @@ The build is quick by default: the extensions compile in parallel (one job per C
 under `pip install .`, through the build_ext below) and without debug information (-g0:
 the line tables of the generated C are most of the compile time and of the .so size, and
 only a debugger reads them; MICROTENSOR_DEBUG=1 keeps them). The flags used are recorded
-in microtensor/_build_config.py, which `mt.show_config()` prints.
+in microtensor/runtime/_build_config.py, which `mt.show_config()` prints.
 
 A second build reuses the first's work: pip builds this folder in place (build/ stays),
 and a .pyx whose generated .c is newer than the .pyx and every project file it includes
@@ -92,10 +92,10 @@ def jobs():
 # them died there). What each build checks at import is in its .pyx.
 AVX512 = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=256"
 KERNEL_TARGETS = {
-    "microtensor._fused_avx2": "avx2,fma",
-    "microtensor._fused_attention_avx2": "avx2,fma",
-    "microtensor._fused_avx512": AVX512,
-    "microtensor._fused_attention_avx512": AVX512,
+    "microtensor.kernels._fused_avx2": "avx2,fma",
+    "microtensor.kernels._fused_attention_avx2": "avx2,fma",
+    "microtensor.kernels._fused_avx512": AVX512,
+    "microtensor.kernels._fused_attention_avx512": AVX512,
 }
 PRAGMA_MARK = "/* microtensor: kernel functions compiled for "
 
@@ -143,14 +143,14 @@ class ParallelBuildExt(build_ext):
 
 
 def record_build_config():
-    """microtensor/_build_config.py: the flags of this build, for mt.show_config()."""
+    """microtensor/runtime/_build_config.py: the flags of this build, for mt.show_config()."""
     cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     try:
         version = subprocess.run(cc.split() + ["--version"], capture_output=True,
                                  text=True).stdout.splitlines()[0]
     except (OSError, IndexError):
         version = cc
-    with open(os.path.join("microtensor", "_build_config.py"), "w") as f:
+    with open(os.path.join("microtensor", "runtime", "_build_config.py"), "w") as f:
         f.write('"""Written by setup.py at build time: how the extensions were compiled."""\n'
                 f"COMPILE_ARGS = {compile_args!r}\nOPENMP = {openmp!r}\nNATIVE = {native!r}\n"
                 f"DEBUG = {debug!r}\nPARALLEL_MIN_SCALE = {float(parallel_min_scale)!r}\n"

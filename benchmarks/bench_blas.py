@@ -3,11 +3,11 @@ libraries microtensor's gemm could call, side by side, at one thread.
 
 Each candidate gets the same float32 operands, stored as the step stores them (a
 Linear's weight (out, in) read transposed; dW reads the upstream gradient transposed),
-through its C entry with the transposes as flags, the way microtensor/_common.pxd's
+through its C entry with the transposes as flags, the way microtensor/kernels/_common.pxd's
 gemm calls its library:
 
-  mt/OpenBLAS      microtensor._blas.gemm on scipy's bundled OpenBLAS (cython_blas)
-  mt/oneMKL        microtensor._blas.gemm on libmkl_rt of the `mkl` wheel (sequential
+  mt/OpenBLAS      microtensor.kernels._blas.gemm on scipy's bundled OpenBLAS (cython_blas)
+  mt/oneMKL        microtensor.kernels._blas.gemm on libmkl_rt of the `mkl` wheel (sequential
                    layer), when installed
   scipy-openblas32 the newer OpenBLAS of the `scipy-openblas32` wheel, when installed
                    (cblas through ctypes: about 2 us more a call than the others)
@@ -67,7 +67,7 @@ def candidates():
 
 def mt_gemms():
     """{name: BLAS name} of the libraries microtensor's own gemm can be pointed at here."""
-    from microtensor import _blas
+    from microtensor.kernels import _blas
     out = {}
     for name, label in (("openblas", "mt/OpenBLAS"), ("mkl", "mt/oneMKL")):
         try:
@@ -86,7 +86,7 @@ def closures(s, libs, mts, torch, rng):
     lda, ldb = a.shape[1], b.shape[1]
     a_view = a.T if s["ta"] else a
     b_view = b.T if s["tb"] else b
-    from microtensor import _blas
+    from microtensor.kernels import _blas
     fns = {}
 
     def through(blas):

@@ -36,7 +36,7 @@ def linear_shapes(cfg, vocab):
 def closures(M, n_in, n_out, torch, rng):
     import microtensor as mt
     import microtensor.nn.functional as F
-    from microtensor import _blas
+    from microtensor.kernels import _blas
     x = rng.standard_normal((M, n_in)).astype(np.float32)
     w = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
     b = rng.standard_normal(n_out).astype(np.float32)

@@ -1,5 +1,5 @@
 """Page faults and step time of microtensor's training step with glibc's malloc as
-microtensor tunes it at import (microtensor/_malloc.py) and with glibc's defaults.
+microtensor tunes it at import (microtensor/runtime/_malloc.py) and with glibc's defaults.
 
 One process, rounds alternating the two settings (mallopt can be called at any time):
 each round runs --steps steps of the GPT's eager training step at one thread and reads
@@ -34,7 +34,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     C.check_quiet(args.allow_busy, "bench_malloc.py")
-    from microtensor import _malloc
+    from microtensor.runtime import _malloc
     libc = _malloc._glibc()
     if libc is None:
         sys.exit("bench_malloc.py: glibc's mallopt is not available here")

@@ -32,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _kernels():
     import microtensor as mt  # noqa: F401  (the OpenMP defaults, before the extensions)
-    from microtensor import _blas, _core
+    from microtensor.kernels import _blas
+    from microtensor.core import _core
     from microtensor.nn import functional as F
     from microtensor.optim import _adamw
     fused = F._fused
@@ -104,10 +105,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     import microtensor as mt
     from microtensor import threads as T
-    import microtensor.buildinfo  # noqa: F401
+    import microtensor.runtime.buildinfo  # noqa: F401
     n_threads = args.threads or T.physical_cores()
     kernels = _kernels()
-    print(f"# {mt.buildinfo.cpu_model()}; N = {n_threads} threads; "
+    print(f"# {mt.runtime.buildinfo.cpu_model()}; N = {n_threads} threads; "
           f"OpenMP {T.omp_settings()}; load average {os.getloadavg()}")
     if True:
         for name in args.kernels.split(","):

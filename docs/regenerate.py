@@ -84,7 +84,7 @@ def machine():
     near 100%) depend on the CPU's vector code, so each figure says where it was taken."""
     m = dict(load_average=round(os.getloadavg()[0], 1), cpus=os.cpu_count())
     try:
-        from microtensor.buildinfo import cpu_model
+        from microtensor.runtime.buildinfo import cpu_model
         from microtensor.threads import default_num_threads
     except ImportError:       # the examples' microtensor is not this process's: say less
         return m
@@ -519,7 +519,7 @@ class KernelConstants(Part):
                 "Memory-bound kernels (norms, embedding, dropout) are given threads from "
                 f"2^{v['parallel_min_memory_log2']} elements, the others from "
                 f"2^{v['parallel_min_log2']}, and each kernel keeps one thread below its own "
-                "measured threshold besides (`threads_for` in `_common.pxd`, the constant "
+                "measured threshold besides (`threads_for` in `kernels/_common.pxd`, the constant "
                 "beside the kernel); a gemm of `_blas` splits its output rows over the threads "
                 f"from 2^{v['gemm_parallel_min_log2']} multiply-adds; `mt.matmul` hands "
                 f"products below 2^{v['small_matmul_log2']} multiply-adds to numpy."),

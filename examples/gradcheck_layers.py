@@ -26,7 +26,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 import microtensor as mt  # noqa: E402
-from microtensor.gradcheck import compare_gradients, first_order_vjp  # noqa: E402
+from microtensor.autograd.gradcheck import compare_gradients, first_order_vjp  # noqa: E402
 from models import (GPT, GPTConfig, MultiHeadAttention,  # noqa: E402
                     SinusoidalPositionalEncoding, LearnedPositionalEmbedding, RotaryEmbedding,
                     FeedForward, TransformerBlock, Encoder, EncoderDecoder)

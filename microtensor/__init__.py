@@ -15,12 +15,12 @@ def _explain_missing_core(error):
     import os
     from importlib.machinery import EXTENSION_SUFFIXES
     here = os.path.dirname(os.path.abspath(__file__))
-    if any(os.path.exists(os.path.join(here, "_core" + s)) for s in EXTENSION_SUFFIXES):
+    if any(os.path.exists(os.path.join(here, "core", "_core" + s)) for s in EXTENSION_SUFFIXES):
         return error             # built, yet it failed: the original error says why
     root = os.path.dirname(here)
     installed = [os.path.join(p, "microtensor") for p in __import__("sys").path
                  if os.path.abspath(p or ".") != root and any(
-                     os.path.exists(os.path.join(p, "microtensor", "_core" + s))
+                     os.path.exists(os.path.join(p, "microtensor", "core", "_core" + s))
                      for s in EXTENSION_SUFFIXES)]
     found = (f" (an installed microtensor is in {installed[0]})" if installed else "")
     return ImportError(
@@ -36,17 +36,17 @@ def _explain_missing_core(error):
 
 
 # OpenMP's waiting policy, before the first extension loads the OpenMP runtime
-from microtensor import _omp_env
+from microtensor.runtime import _omp_env
 _omp_env.apply_defaults()
-# glibc's malloc keeps freed memory for the next step (microtensor/_malloc.py says why)
-from microtensor import _malloc
+# glibc's malloc keeps freed memory for the next step (microtensor/runtime/_malloc.py says why)
+from microtensor.runtime import _malloc
 _malloc.apply()
 
 try:
-    from microtensor import _core
+    from microtensor.core import _core
 except ImportError as _error:
     raise _explain_missing_core(_error) from None
-from microtensor._core import (
+from microtensor.core._core import (
     Tensor, Parameter, ShapeError, Node,
     float32, float64, int64, int32, uint8, bool_ as bool,
     tensor, from_numpy, zeros, ones, empty, full, zeros_like, ones_like, full_like,
@@ -58,11 +58,11 @@ from microtensor._core import (
 # The core's ops (mt.add, mt.exp, mt.matmul, ...) are not listed here: each op's registry
 # row (register_op, beside its rule in the core's ops_*.pxi) made it a function of this
 # package, and a Tensor method, when the core was imported above.
-from microtensor.dtypes import (
+from microtensor.core.dtypes import (
     dtype, device, float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8,
     bool_ as bool, finfo, iinfo,
 )
-from microtensor.generator import (Generator, default_generator, manual_seed, seed, initial_seed,
+from microtensor.core.generator import (Generator, default_generator, manual_seed, seed, initial_seed,
                                   set_rng_state)
 from microtensor import autograd
 from microtensor.autograd import gradcheck, gradgradcheck
@@ -72,7 +72,7 @@ from microtensor.threads import (set_blas_threads, get_blas_threads, blas_info, 
                                  default_num_threads, physical_cores)
 # the kernels' threads: the one policy (OMP_NUM_THREADS, else the physical cores)
 set_num_threads(default_num_threads())
-from microtensor.buildinfo import show_config, config
+from microtensor.runtime.buildinfo import show_config, config
 from microtensor.serialization import save, load
 # mt.distributed: importing it does not import mpi4py (only distributed.init() under MPI does)
 from microtensor import distributed
@@ -99,7 +99,7 @@ def numel(t):
 
 
 # -- PyTorch's wider surface: functions written in Python (also Tensor methods) ---------
-from microtensor.ops_extra import (
+from microtensor.ops.extra import (
     sin, cos, tan, asin, acos, atan, sinh, cosh, asinh, atanh, arcsin, arccos, arctan,
     log1p, expm1, exp2, log2, log10, rsqrt, reciprocal, square, erf, erfc, erfinv, logit,
     frac, sign, sgn, floor, ceil, trunc, fix, round, clamp_min, clamp_max, float_power,
@@ -108,43 +108,47 @@ from microtensor.ops_extra import (
     is_nonzero, nonzero, argwhere, unique, bincount, histc, std_mean, var_mean, atan2,
     arctan2, fmod, nan_to_num, cummax, cummin, median, unique_consecutive,
 )
-from microtensor.ops_creation import (
+from microtensor.ops.creation_extra import (
     eye, logspace, as_tensor, randn_like, rand_like, randint_like, empty_like, tril_indices,
     triu_indices, bernoulli, normal, poisson,
 )
-from microtensor.ops_index import (
+from microtensor.ops.index import (
     gather, take_along_dim, take, scatter, scatter_add, index_add, index_fill, tensor_split,
     rot90, masked_select, sort, argsort, msort,
     topk, kthvalue, flip, fliplr, flipud, roll, repeat_interleave, tile, narrow, select,
     unbind, movedim, moveaxis, swapaxes, swapdims, t, diagonal, diag, trace,
 )
-from microtensor.ops_creation import (
+from microtensor.ops.creation_extra import (
     broadcast_shapes, broadcast_to, broadcast_tensors, atleast_1d, atleast_2d, hstack,
     vstack, column_stack, meshgrid,
 )
-from microtensor.ops_linalg import (
+from microtensor.ops.linalg import (
     einsum, mm, bmm, mv, dot, vdot, inner, outer, ger, baddbmm, tensordot, norm, dist, cdist,
     cross, kron,
 )
 true_divide = div
-from microtensor import ops_nan  # noqa: E402,F401  (its registry rows: mt.fmax, mt.fmin)
+from microtensor.ops import nan as ops_nan  # noqa: E402,F401  (its registry rows: mt.fmax, mt.fmin)
 from microtensor.capture import compile  # noqa: E402  (mt.compile: capture and replay)
 from microtensor import compiler  # noqa: E402
 from microtensor import linalg, backends, amp, cuda
-from microtensor.dialect import (
+from microtensor.core.dialect import (
     set_default_dtype, get_default_dtype, set_printoptions, inference_mode,
     is_inference_mode_enabled, set_float32_matmul_precision, get_float32_matmul_precision,
     use_deterministic_algorithms, are_deterministic_algorithms_enabled,
 )
-from microtensor import dialect as _dialect
+from microtensor.core import dialect as _dialect
 _dialect.register_tensor_methods()
 del _dialect
 
 
 # the ops written in Python: the profiler times them and mt.compile records them
-from microtensor import _intercept  # noqa: E402
-from microtensor import (ops_extra as _m1, ops_creation as _m2, ops_index as _m3,  # noqa: E402
-                         ops_linalg as _m4, ops_inplace as _m5, ops_compare as _m6)
+from microtensor.ops import _intercept  # noqa: E402
+from microtensor.ops import extra as _m1  # noqa: E402
+from microtensor.ops import creation_extra as _m2
+from microtensor.ops import index as _m3
+from microtensor.ops import linalg as _m4
+from microtensor.ops import inplace as _m5
+from microtensor.ops import compare as _m6
 for _module in (_m1, _m2, _m3, _m4, _m5, _m6, ops_nan):
     _intercept.register_ops(_module, "")
 _intercept.register_ops(linalg, "linalg.")

@@ -179,10 +179,10 @@ def _resolve(section, dotted):
     if section == "Tensor":
         if dotted in mt.Tensor.__dict__ or any(dotted in k.__dict__ for k in mt.Tensor.__mro__):
             return getattr(mt.Tensor, dotted, True)
-        registered = getattr(mt._core, "registered_tensor_methods", lambda: [])()
+        registered = getattr(mt.core._core, "registered_tensor_methods", lambda: [])()
         if dotted not in registered:
             return None
-        from microtensor.dialect import method_modules
+        from microtensor.core.dialect import method_modules
         for module in method_modules():
             found = dict(module.TENSOR_METHODS).get(dotted)
             if found is not None:

@@ -2,7 +2,7 @@
 that asks (`device = 'cuda' if torch.cuda.is_available() else 'cpu'`) takes the CPU path.
 Asking for a CUDA device anyway is a RuntimeError that names it."""
 from microtensor import amp as _amp
-from microtensor._core import check_device as _check_device
+from microtensor.core._core import check_device as _check_device
 
 __all__ = ["is_available", "device_count", "is_bf16_supported", "manual_seed",
            "manual_seed_all", "synchronize", "empty_cache", "current_device",

@@ -274,7 +274,7 @@ def wait(requests, what):
 
 
 def _check_tensor(t, what):
-    from microtensor._core import Tensor
+    from microtensor.core._core import Tensor
     if not isinstance(t, Tensor):
         raise TypeError(f"{what} expects a Tensor, got {type(t).__name__}")
     return t.numpy()

@@ -1,5 +1,5 @@
 """mt.linalg: the norms of torch.linalg (vector, matrix (Frobenius) and the general
-`norm`). The implementations live in microtensor.ops_linalg."""
-from microtensor.ops_linalg import vector_norm, matrix_norm, linalg_norm as norm
+`norm`). The implementations live in microtensor.ops.linalg."""
+from microtensor.ops.linalg import vector_norm, matrix_norm, linalg_norm as norm
 
 __all__ = ["norm", "vector_norm", "matrix_norm"]

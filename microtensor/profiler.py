@@ -11,7 +11,7 @@
                 opt.step()
     print(prof.table(steps=3))
 
-Forward: while the profiler is on, the public op functions of microtensor._core (which
+Forward: while the profiler is on, the public op functions of microtensor.core._core (which
 Tensor's operators and methods call) and of the modules registered with `register_ops`
 (microtensor.nn registers nn.functional) are replaced by timing wrappers, also where
 other microtensor / models modules imported them by name.
@@ -30,7 +30,8 @@ a microsecond per op, which lands in that overhead; `wrapper_cost()` measures it
 import contextlib
 import time
 
-from microtensor import _core, _intercept
+from microtensor.core import _core
+from microtensor.ops import _intercept
 
 _active = None           # the Profiler that is on, if any
 register_ops = _intercept.register_ops   # microtensor.nn registers nn.functional as "F."
@@ -100,7 +101,7 @@ class Profiler:
     # -- on / off --------------------------------------------------------------
     def __enter__(self):
         # every op function, the references modules took of them, and the registry's
-        # Tensor methods (microtensor/_intercept.py, shared with mt.compile)
+        # Tensor methods (microtensor/ops/_intercept.py, shared with mt.compile)
         self._patched = _intercept.patch_ops(self._wrap, packages=self.extra_modules)
         if self.backward:
             _core.set_backward_profiler(self._backward_hook)

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 import numpy as np
 import safetensors.numpy
 
-from microtensor._core import Tensor, Parameter, from_numpy
+from microtensor.core._core import Tensor, Parameter, from_numpy
 
 __all__ = ["save", "load"]
 

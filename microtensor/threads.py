@@ -26,8 +26,8 @@ import os
 import numpy as np  # noqa: F401  (importing numpy is what loads its BLAS)
 from threadpoolctl import ThreadpoolController
 
-from microtensor import _core
-from microtensor._omp_env import OMP_DEFAULTS, settings as omp_settings  # noqa: F401
+from microtensor.core import _core
+from microtensor.runtime._omp_env import OMP_DEFAULTS, settings as omp_settings  # noqa: F401
 
 
 def _loaded_blas():
@@ -54,7 +54,7 @@ def set_blas_threads(n, library="numpy"):
 
     NOTE: scipy ships its own OpenBLAS, and microtensor's matmul and attention kernels
     call its gemm from inside their own OpenMP threads, pinned to one thread
-    (microtensor._blas.pin_blas_threads); library="all" would undo that pin."""
+    (microtensor.kernels._blas.pin_blas_threads); library="all" would undo that pin."""
     n = int(n)
     if n < 1:
         raise ValueError(f"number of threads must be at least 1, got {n}")
@@ -84,7 +84,7 @@ def team_size():
     """How many threads run microtensor's parallel kernels now: mt.get_num_threads() on a
     quiet machine, fewer while other processes hold the CPUs (see the module docstring).
     The split of the work, and so every result, follows mt.get_num_threads() only."""
-    from microtensor import _blas
+    from microtensor.kernels import _blas
     return _blas.team(_core.get_num_threads())
 
 
@@ -92,7 +92,7 @@ def adaptive_threads(enabled=None):
     """Whether the team follows the machine's load (True by default). adaptive_threads(False)
     always runs mt.get_num_threads() threads, adaptive_threads(True) follows the load
     again; called without an argument it only answers. Returns the setting before."""
-    from microtensor import _blas
+    from microtensor.kernels import _blas
     before = _blas.team_info()["adaptive"]
     if enabled is not None:
         if not isinstance(enabled, bool):

@@ -14,7 +14,7 @@ import microtensor as mt
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "ADDING_AN_OP.md"
-EXAMPLE = "microtensor/ops_nan.py"      # the op the walkthrough adds
+EXAMPLE = "microtensor/ops/nan.py"      # the op the walkthrough adds
 
 TAGGED_BLOCK = re.compile(r"<!-- from: (\S+) -->\n```python\n(.*?)\n```", re.S)
 

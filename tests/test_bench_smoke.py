@@ -63,7 +63,7 @@ def test_bench_blas_runs_every_candidate():
     rec = last_json(out)
     ms = rec["configs"]["tiny"]["ms_per_step"]
     assert any(k.startswith("mt/OpenBLAS") for k in ms) and "numpy" in ms, ms
-    from microtensor import _blas_choice
+    from microtensor.runtime import _blas_choice
     assert any(k.startswith("mt/oneMKL") for k in ms) == (_blas_choice.find_mkl() is not None)
     assert all(v > 0 for v in ms.values())
 
@@ -80,7 +80,7 @@ def test_bench_kernels_times_every_build_here():
 
 
 def test_bench_malloc_runs_both_settings():
-    from microtensor import _malloc
+    from microtensor.runtime import _malloc
     if _malloc._glibc() is None:
         pytest.skip("glibc's mallopt: Linux with glibc only")
     out = run_script("bench_malloc.py", "--config", "tiny", "--steps", "2", "--rounds", "1",
@@ -291,7 +291,7 @@ def test_bench_train_memory_runs():
 
 def test_profiler_counts_ops_and_restores():
     import microtensor as mt
-    from microtensor import _core
+    from microtensor.core import _core
     from microtensor.profiler import Profiler
     original_add = _core.add
     a = mt.randn(4, 3, requires_grad=True)

@@ -1,4 +1,4 @@
-"""The BLAS behind gemm, chosen once at import (microtensor/_blas_choice.py): every
+"""The BLAS behind gemm, chosen once at import (microtensor/runtime/_blas_choice.py): every
 choice computes the same products, the environment variable is obeyed, a bad or
 impossible request says so, and show_config names what runs."""
 import json
@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
-from microtensor import _blas, _blas_choice
+from microtensor.kernels import _blas
+from microtensor.runtime import _blas_choice
 
 # the microtensor this process imported (a build in place, or an installed one)
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(_blas_choice.__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_blas_choice.__file__))))
 # oneMKL is optional (`pip install "microtensor[mkl]"`; .ci/run installs it): the cases
 # that need it run wherever it is installed
 
@@ -23,7 +24,7 @@ import json, sys
 import numpy as np
 import microtensor as mt
 import microtensor.nn.functional as F
-from microtensor import _blas
+from microtensor.kernels import _blas
 rng = np.random.default_rng(0)
 errors = {}
 for dtype in (np.float32, np.float64):
@@ -139,7 +140,7 @@ def test_a_threaded_mkl_already_loaded_is_not_used(monkeypatch, vendor):
 
 def test_show_config_names_the_gemm_blas():
     import microtensor as mt
-    from microtensor import buildinfo
+    from microtensor.runtime import buildinfo
     c = buildinfo.config()
     assert c["gemm"] == _blas.blas_choice()
     line = next(x for x in buildinfo.format_config(c) if "BLAS (gemm)" in x)

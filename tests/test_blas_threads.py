@@ -1,10 +1,10 @@
 """mt.set_blas_threads / get_blas_threads / blas_info / set_threads, found through
-threadpoolctl, and scipy's OpenBLAS pinned to one thread by microtensor._blas."""
+threadpoolctl, and scipy's OpenBLAS pinned to one thread by microtensor.kernels._blas."""
 import pytest
 from threadpoolctl import ThreadpoolController
 
 import microtensor as mt
-from microtensor import _blas
+from microtensor.kernels import _blas
 
 
 def openblas():

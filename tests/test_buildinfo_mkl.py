@@ -5,7 +5,8 @@ import os
 import pytest
 
 import microtensor as mt
-from microtensor import _blas_choice, buildinfo
+from microtensor.runtime import _blas_choice
+from microtensor.runtime import buildinfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

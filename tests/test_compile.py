@@ -568,7 +568,7 @@ def test_the_arena_serves_the_plan_and_changes_no_number():
 
 
 def test_an_arena_block_still_alive_is_never_handed_out_again():
-    from microtensor._arena import Arena
+    from microtensor.kernels._arena import Arena
     from microtensor.capture.memory import place, conflicts
     arena = Arena()
     arena.start("log")
@@ -595,7 +595,7 @@ def test_an_arena_block_still_alive_is_never_handed_out_again():
 
 
 def test_the_arena_refuses_a_bad_plan():
-    from microtensor._arena import Arena
+    from microtensor.kernels._arena import Arena
     arena = Arena()
     ok = dict(offsets=[0], sizes=[64], conflict_ptr=[0, 0], conflicts=[], capacity=128)
     for bad, error in [(dict(offsets=[0, 1]), ValueError), (dict(sizes=[-1]), ValueError),

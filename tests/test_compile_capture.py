@@ -460,7 +460,7 @@ def _differ(a, b):
 
 def _call_with_door(fn, args):
     seen = []
-    previous = mt._core.set_capture_hook(lambda t, what: seen.append(what))
+    previous = mt.core._core.set_capture_hook(lambda t, what: seen.append(what))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -469,7 +469,7 @@ def _call_with_door(fn, args):
                 out = list(out)
         return out, seen
     finally:
-        mt._core.set_capture_hook(previous)
+        mt.core._core.set_capture_hook(previous)
 
 
 def _door_bypasses(callables):

@@ -130,16 +130,16 @@ def test_index_tensor_changed_to_out_of_range_is_harmless():
 def test_scatter_kernel_checks_its_indices():
     dst = np.zeros((3, 2))
     with pytest.raises(IndexError, match="out of range"):
-        mt._core.scatter_add_rows(dst, np.array([0, 7]), np.ones((2, 2)))
+        mt.core._core.scatter_add_rows(dst, np.array([0, 7]), np.ones((2, 2)))
     with pytest.raises(ValueError):
-        mt._core.scatter_add_rows(dst, np.array([0, 1]), np.ones((3, 2)))
+        mt.core._core.scatter_add_rows(dst, np.array([0, 1]), np.ones((3, 2)))
 
 
 def test_elementwise_kernels_check_sizes():
     with pytest.raises(ValueError, match="must match"):
-        mt._core.relu_backward(np.empty(10), np.ones(10), np.ones(3))
+        mt.core._core.relu_backward(np.empty(10), np.ones(10), np.ones(3))
     with pytest.raises(ValueError, match="must match"):
-        mt._core.relu_forward(np.empty(10), np.ones(3))
+        mt.core._core.relu_forward(np.empty(10), np.ones(3))
 
 
 # ---- hooks and assignments are checked where they enter ---------------------------------------
@@ -578,7 +578,7 @@ def test_assignments_to_the_graph_raise_instead_of_crashing(what):
     """Each assignment either raises where it is made, or the backward and next_functions
     after it raise: a Python exception in a child process, never a signal."""
     code = ("import numpy as np\nimport microtensor as mt\n"
-            "from microtensor._core import attach, Node, replace_inputs\n"
+            "from microtensor.core._core import attach, Node, replace_inputs\n"
             "x = mt.ones(2, requires_grad=True)\ny = x * 2\n"
             "try:\n"
             f"    {ASSIGNMENTS[what]}\n"

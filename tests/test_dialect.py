@@ -11,7 +11,10 @@ import pytest
 import microtensor as mt
 import microtensor.nn as nn
 import microtensor.nn.functional as F
-from microtensor import dialect, ops_extra, ops_index, ops_linalg
+from microtensor.core import dialect
+from microtensor.ops import extra as ops_extra
+from microtensor.ops import index as ops_index
+from microtensor.ops import linalg as ops_linalg
 
 torch = pytest.importorskip("torch")
 
@@ -396,7 +399,7 @@ def test_a_wrong_rule_fails_the_gradcheck():
         out = ops_extra.cumsum(t.detach(), 1)
         node = Wrong()
         node.dim, node.dtype, node.shape, node.shape1 = 1, t.numpy().dtype, t.shape, t.shape
-        return mt._core.attach(out, node, (t,))
+        return mt.core._core.attach(out, node, (t,))
 
     assert not mt.gradcheck(wrong_cumsum, (x,), raise_exception=False)
 
@@ -636,7 +639,7 @@ def test_ops_respect_no_grad_and_inference_mode():
 def test_inplace_change_of_a_saved_tensor_is_detected():
     """Ops that read their output in backward are checked by the engine's version counter;
     ops that keep their own copy are not disturbed by later in-place changes."""
-    if not hasattr(mt._core, "declare_saved"):
+    if not hasattr(mt.core._core, "declare_saved"):
         pytest.fail("the core has no declare_saved (version counters)")
     x = mt.randn(4, dtype=mt.float64, requires_grad=True)
     y = x.exp()
@@ -860,13 +863,13 @@ def test_default_dtype_and_print_options():
 
 
 def test_set_default_dtype_float64_as_torch():
-    """Needs the core's default-dtype setter (microtensor._core.set_default_float_dtype)."""
+    """Needs the core's default-dtype setter (microtensor.core._core.set_default_float_dtype)."""
     try:
         mt.set_default_dtype(mt.float64)
         assert mt.tensor(1.5).dtype == mt.float64 and mt.zeros(2).dtype == mt.float64
         assert mt.get_default_dtype() == mt.float64
     finally:
-        if hasattr(mt._core, "set_default_float_dtype"):
+        if hasattr(mt.core._core, "set_default_float_dtype"):
             mt.set_default_dtype(mt.float32)
     assert mt.tensor(1.5).dtype == mt.float32
 

@@ -19,7 +19,8 @@ import sys
 import pytest
 
 import microtensor as mt
-from microtensor import _blas_choice, _malloc
+from microtensor.runtime import _blas_choice
+from microtensor.runtime import _malloc
 from microtensor.nn import _functional_common as C
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mt.__file__)))
@@ -34,7 +35,8 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import microtensor as mt
     import microtensor.nn.functional as F
-    from microtensor import _malloc, _blas
+    from microtensor.runtime import _malloc
+    from microtensor.kernels import _blas
 after = dict(os.environ)
 grandchild = json.loads(subprocess.run(
     [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
@@ -159,14 +161,14 @@ def _expected_build(request):
 def test_microtensor_kernels_loads_the_build_named_never_a_wider_one(value):
     got = child(MICROTENSOR_KERNELS=value)
     fused, attention = _expected_build(value.strip().lower() or "auto")
-    assert got["kernels"] == "microtensor." + fused, got
-    assert got["attention"] == "microtensor." + attention, got
+    assert got["kernels"] == "microtensor.kernels." + fused, got
+    assert got["attention"] == "microtensor.kernels." + attention, got
     assert not any("MICROTENSOR_KERNELS" in w for w in got["warnings"])
 
 
 def test_an_unknown_microtensor_kernels_warns_and_means_auto():
     got = child(MICROTENSOR_KERNELS="sse9")
-    assert got["kernels"] == "microtensor." + _expected_build("auto")[0]
+    assert got["kernels"] == "microtensor.kernels." + _expected_build("auto")[0]
     assert any("MICROTENSOR_KERNELS='sse9'" in w for w in got["warnings"])
 
 

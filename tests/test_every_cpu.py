@@ -55,7 +55,7 @@ for package in (mt, models):
 
 for name, fused, attention, runs_here in common.KERNEL_BUILDS:
     for module_name in (fused, attention):
-        m = importlib.import_module("microtensor." + module_name)
+        m = importlib.import_module("microtensor.kernels." + module_name)
         runs = bool(getattr(m, "CPU_RUNS_THIS_BUILD", True))
         report["builds"][module_name] = {"target": getattr(m, "TARGET", None), "runs": runs,
                                          "numpy_says": bool(runs_here())}
@@ -163,9 +163,9 @@ EMULATED = {"Haswell": ("_fused_avx2", "_fused_attention_avx2"),
 def check_report(report, expected_chosen=None):
     assert not report["failed"], f"modules that did not import: {report['failed']}"
     names = set(report["imported"])
-    for module in ("microtensor._fused_avx512", "microtensor._fused_attention_avx512",
-                   "microtensor._fused_avx2", "microtensor._fused_attention_avx2",
-                   "microtensor._fused", "microtensor.nn.functional", "models.gpt"):
+    for module in ("microtensor.kernels._fused_avx512", "microtensor.kernels._fused_attention_avx512",
+                   "microtensor.kernels._fused_avx2", "microtensor.kernels._fused_attention_avx2",
+                   "microtensor.kernels._fused", "microtensor.nn.functional", "models.gpt"):
         assert module in names, f"{module} was not imported by the walk"
     builds = report["builds"]
     for module, b in builds.items():
@@ -177,9 +177,9 @@ def check_report(report, expected_chosen=None):
     # the loader took the widest build this CPU runs, and show_config names it
     widest = next(name for name in ("_fused_avx512", "_fused_avx2", "_fused")
                   if builds[name]["runs"])
-    assert report["chosen"][0] == "microtensor." + widest
+    assert report["chosen"][0] == "microtensor.kernels." + widest
     if expected_chosen:
-        assert report["chosen"] == ["microtensor." + m for m in expected_chosen]
+        assert report["chosen"] == ["microtensor.kernels." + m for m in expected_chosen]
     target = builds[widest]["target"]
     assert report["config"]["fused_kernels"] == target
     assert f"fused kernels  {target}" in report["show_config"]

@@ -13,7 +13,7 @@ from scipy.special import erf
 
 import microtensor as mt
 import microtensor.nn.functional as F
-from microtensor import _fused_attention
+from microtensor.kernels import _fused_attention
 
 
 RNG = np.random.default_rng(1234)
@@ -351,7 +351,7 @@ def test_attention_dropout_matches_reference_with_the_kernel_mask():
     mt.manual_seed(7)
     got = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
     mt.manual_seed(7)
-    seed = int(mt._core.default_generator().integers(0, 2 ** 63))
+    seed = int(mt.core._core.default_generator().integers(0, 2 ** 63))
     keep = np.empty((4, 9, 9))
     _fused_attention.attention_dropout_mask(keep, seed, p)
     frac = (keep[np.broadcast_to(np.tril(np.ones((9, 9), bool)), keep.shape)] == 0).mean()
@@ -593,7 +593,7 @@ def test_attention_errors():
 
 def test_a_wrong_rule_fails_gradcheck():
     """The checks above can fail: a node with a deliberately wrong backward is caught."""
-    from microtensor._core import Node, wrap, attach
+    from microtensor.core._core import Node, wrap, attach
 
     class WrongGelu(Node):
         def backward(self, g):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import microtensor as mt
-import microtensor._core as C
+import microtensor.core._core as C
 import microtensor.nn.functional as F
 from microtensor.autograd import higher_order
 from models import GPT, GPTConfig, RotaryEmbedding
@@ -453,14 +453,14 @@ def _python_nodes():
     import inspect as pyinspect
     import pkgutil
     import microtensor
-    from microtensor._core import Node
+    from microtensor.core._core import Node
     found = {}
     for info in pkgutil.walk_packages(microtensor.__path__, "microtensor."):
-        if info.name.startswith("microtensor._fused") or info.name.endswith("__main__"):
+        if info.name.startswith("microtensor.kernels._fused") or info.name.endswith("__main__"):
             continue
         module = importlib.import_module(info.name)
         for _, cls in pyinspect.getmembers(module, pyinspect.isclass):
-            if issubclass(cls, Node) and cls is not Node and cls.__module__ != "microtensor._core":
+            if issubclass(cls, Node) and cls is not Node and cls.__module__ != "microtensor.core._core":
                 found[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return found
 
@@ -489,18 +489,18 @@ def test_every_node_keeps_its_rule_beside_its_backward():
     """Every node type of the package, the core's Cython nodes and the Python ones,
     defines create_graph in its own class body, next to backward."""
     import importlib
-    import microtensor._core as core
+    import microtensor.core._core as core
     nodes = dict(_python_nodes())
     for name in dir(core):
         cls = getattr(core, name)
         if isinstance(cls, type) and issubclass(cls, core.Node) and cls is not core.Node \
                 and "backward" in vars(cls):
-            nodes[f"microtensor._core.{name}"] = cls
+            nodes[f"microtensor.core._core.{name}"] = cls
     assert len(nodes) > 40, sorted(nodes)             # the walk found the op modules
     missing = sorted(n for n, cls in nodes.items()
                      if "create_graph" not in vars(cls) and n not in ONCE_DIFFERENTIABLE)
     assert not missing, f"nodes without a create_graph rule beside their backward: {missing}"
-    for module, cls in (("microtensor._core", "AddBackward"), ("microtensor._core", "UnaryBackward"),
+    for module, cls in (("microtensor.core._core", "AddBackward"), ("microtensor.core._core", "UnaryBackward"),
                         ("microtensor.nn._activations_fn", "GeluBackward"),
-                        ("microtensor.ops_index", "ScatterBackward")):
+                        ("microtensor.ops.index", "ScatterBackward")):
         assert "create_graph" in vars(getattr(importlib.import_module(module), cls)), cls

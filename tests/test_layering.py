@@ -4,14 +4,15 @@ Every import in microtensor/, models/ and examples/ is read (the Python files wi
 `ast`, the Cython files line by line, function-level imports included) and each arrow
 must point to the same layer or one below:
 
-    0 engine    microtensor's core (_core and its .pxi files, the Cython kernels),
-                autograd, gradcheck, serialization, threads, profiler, optim, the op
-                modules (ops_*), dtypes, dialect, amp, cuda, backends, linalg,
-                distributed, _grads, generator, inspect (instruments built on the
-                engine's hooks)
+    0 engine    microtensor's core (core/: _core and its include files, dtypes, dialect,
+                the generator), the ops (ops/), the Cython kernels (kernels/), the
+                runtime (runtime/), autograd, serialization, threads, profiler, optim,
+                capture, amp, cuda, backends, linalg, distributed, inspect (instruments
+                built on the engine's hooks)
     1 nn        microtensor.nn, and the package facade `microtensor` (its __init__ may
                 import nn; so importing the facade counts as importing nn), coverage,
-                config (show_config reads which build of the fused kernels nn loaded)
+                runtime.buildinfo (show_config reads which build of the fused kernels
+                nn loaded)
     2 models    models/ (public APIs only: nothing named with a leading underscore)
     3 examples  examples/ (and its helpers _cli, chardata)
 """
@@ -25,25 +26,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE, NN, MODELS, EXAMPLES = 0, 1, 2, 3
 LAYER_NAMES = {ENGINE: "engine", NN: "nn", MODELS: "models", EXAMPLES: "examples"}
 
-# microtensor.<first component> -> layer; everything under microtensor must be listed
-# (except private modules and the op modules, ops_*: those belong to the engine)
+# microtensor.<component> -> layer, by the longest dotted prefix listed; everything under
+# microtensor must be listed
 MICROTENSOR = {
-    "_core": ENGINE, "_blas": ENGINE, "_fused": ENGINE, "_fused_avx2": ENGINE,
-    "_fused_avx512": ENGINE, "_fused_attention_avx512": ENGINE, "_blas_choice": ENGINE,
-    "_fused_attention": ENGINE, "_fused_attention_avx2": ENGINE, "_grads": ENGINE,
+    "core": ENGINE, "ops": ENGINE, "kernels": ENGINE, "runtime": ENGINE,
     "amp": ENGINE, "autograd": ENGINE, "backends": ENGINE, "cuda": ENGINE,
-    "dialect": ENGINE, "distributed": ENGINE, "dtypes": ENGINE, "gradcheck": ENGINE,
-    "inspect": ENGINE, "linalg": ENGINE, "ops_extra": ENGINE, "ops_index": ENGINE,
-    "ops_linalg": ENGINE, "optim": ENGINE, "profiler": ENGINE, "serialization": ENGINE,
-    "threads": ENGINE, "creation": ENGINE, "grad_mode": ENGINE, "versions": ENGINE,
-    "registry": ENGINE, "_common": ENGINE, "capture": ENGINE, "compiler": ENGINE,
-    "generator": ENGINE, "nn": NN, "coverage": NN, "buildinfo": NN,
+    "distributed": ENGINE, "inspect": ENGINE, "linalg": ENGINE, "optim": ENGINE,
+    "profiler": ENGINE, "serialization": ENGINE, "threads": ENGINE, "capture": ENGINE,
+    "compiler": ENGINE, "nn": NN, "coverage": NN, "runtime.buildinfo": NN,
 }
-# the files `include`d into an extension belong to it
-INCLUDED_IN = {"autograd_engine": "_core", "tensor": "_core", "ops_pointwise": "_core",
-               "ops_reduce": "_core", "ops_shape": "_core", "kernels": "_core",
-               "errors": "_core", "registry": "_core", "graph_helpers": "_core", "ops_unary": "_core", "_fused_math": "_fused",
-               "ops_logical": "_core", "capture_hook": "_core"}
+# the files `include`d into an extension belong to it: the core's include files (core/,
+# ops/) and its kernels belong to core._core; the fused kernels' shared code to _fused
+INCLUDED_IN = {"core": "microtensor.core._core", "ops": "microtensor.core._core",
+               "kernels/core_kernels": "microtensor.core._core",
+               "kernels": "microtensor.kernels._fused"}
 
 # Arrows that still point up, each to be removed when its import is turned around (the
 # test fails when one of them is gone, so the list only ever shrinks).
@@ -57,8 +53,9 @@ def module_name(path):
     parts = rel.rsplit(".", 1)[0].split(os.sep)
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    if parts[0] == "microtensor" and len(parts) == 2 and parts[1] in INCLUDED_IN:
-        parts[1] = INCLUDED_IN[parts[1]]
+    if path.endswith(".pxi"):
+        inside = "/".join(parts[1:])
+        return INCLUDED_IN.get(inside, INCLUDED_IN[parts[1]])
     if parts[0] == "examples" and len(parts) == 2:
         return "examples." + parts[1]
     return ".".join(parts)
@@ -131,12 +128,11 @@ def layer(module):
     if parts[0] == "microtensor":
         if len(parts) == 1:
             return NN                        # the facade imports nn
-        if parts[1] not in MICROTENSOR and parts[1].startswith(("_", "ops_")):
-            return ENGINE                    # the core's extensions, helpers and op modules
-        if parts[1] not in MICROTENSOR:
-            raise AssertionError(f"{module}: not placed in a layer; add it to MICROTENSOR "
-                                 "in tests/test_layering.py")
-        return MICROTENSOR[parts[1]]
+        for i in range(len(parts), 1, -1):
+            if ".".join(parts[1:i]) in MICROTENSOR:
+                return MICROTENSOR[".".join(parts[1:i])]
+        raise AssertionError(f"{module}: not placed in a layer; add it to MICROTENSOR "
+                             "in tests/test_layering.py")
     if parts[0] == "models":
         return MODELS
     if parts[0] in ("examples", "_cli", "chardata"):
@@ -202,10 +198,10 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
     assert sorted(n for n, _ in imports_of(str(mod))) == ["microtensor.nn.functional", "models.gpt"]
     pyx = tmp_path / "k.pyx"
     pyx.write_text("from scipy.linalg.cython_blas cimport sgemm, dgemm\n"
-                   "from microtensor._blas import pin\ncimport numpy\n")
+                   "from microtensor.kernels._blas import pin\ncimport numpy\n")
     names = [n for n, _ in imports_of(str(pyx))]
     assert names == ["scipy.linalg.cython_blas.sgemm", "scipy.linalg.cython_blas.dgemm",
-                     "microtensor._blas.pin", "numpy"]
+                     "microtensor.kernels._blas.pin", "numpy"]
     known = known_modules()
     assert resolve("microtensor.nn.functional.softmax", known) == "microtensor.nn.functional"
     assert resolve("microtensor.Tensor", known) == "microtensor"
@@ -216,13 +212,13 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
 # The circles still there (every import counted, function-level ones included), each to
 # be taken apart: a new one fails, and one taken apart must leave this list.
 KNOWN_CIRCLES = [
-    {"microtensor._blas", "microtensor._blas_choice", "microtensor._fused",
-     "microtensor._fused_attention"},
-    {"microtensor._core", "microtensor.autograd.graph_rules", "microtensor.autograd.higher_order"},
+    {"microtensor.kernels._blas", "microtensor.runtime._blas_choice", "microtensor.kernels._fused",
+     "microtensor.kernels._fused_attention"},
+    {"microtensor.core._core", "microtensor.autograd.graph_rules", "microtensor.autograd.higher_order"},
     {"microtensor.nn._activations_fn", "microtensor.nn._attention_fn",
      "microtensor.nn._losses_fn", "microtensor.nn._normalization_fn",
      "microtensor.nn.functional", "microtensor.nn.functional_extra"},
-    {"microtensor", "microtensor.buildinfo", "microtensor.nn", "microtensor.nn.parallel"},
+    {"microtensor", "microtensor.runtime.buildinfo", "microtensor.nn", "microtensor.nn.parallel"},
 ]
 
 

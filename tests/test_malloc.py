@@ -1,4 +1,4 @@
-"""glibc's malloc tuned at import (microtensor/_malloc.py): a loop that allocates and
+"""glibc's malloc tuned at import (microtensor/runtime/_malloc.py): a loop that allocates and
 frees the same large arrays stops taking fresh pages from the kernel; the environment's
 own settings and MICROTENSOR_MALLOC=default leave glibc alone; show_config says which."""
 import json
@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from microtensor import _malloc
+from microtensor.runtime import _malloc
 
 # the microtensor this process imported (a build in place, or an installed one)
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(_malloc.__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_malloc.__file__))))
 GLIBC = _malloc._glibc() is not None
 
 # A linear layer's forward and backward in a loop (the arrays of a training step: 1.5 MB
@@ -21,7 +21,7 @@ import json, resource
 import numpy as np
 import microtensor as mt
 import microtensor.nn.functional as F
-from microtensor import _malloc
+from microtensor.runtime import _malloc
 mt.set_num_threads(1)
 rng = np.random.default_rng(0)
 x = mt.tensor(rng.standard_normal((768, 512), dtype=np.float32), requires_grad=True)
@@ -70,7 +70,7 @@ def test_the_environments_own_setting_wins(var):
 
 
 def test_show_config_says_what_the_allocator_does():
-    from microtensor import buildinfo
+    from microtensor.runtime import buildinfo
     c = buildinfo.config()
     line = next(x for x in buildinfo.format_config(c) if x.strip().startswith("memory"))
     assert c["malloc"] == _malloc.state
@@ -85,7 +85,7 @@ RSS = r"""
 import json, sys
 import numpy as np
 import microtensor
-from microtensor import _malloc
+from microtensor.runtime import _malloc
 
 def rss():
     with open("/proc/self/status") as f:
@@ -120,7 +120,7 @@ def rss_after_free(mib, count, keep, trim=False, **env):
 
 
 SLACK = 6 << 20          # the interpreter's own small allocations meanwhile
-# the ceilings docs/ and microtensor/_malloc.py promise (written out: a change of the
+# the ceilings docs/ and microtensor/runtime/_malloc.py promise (written out: a change of the
 # constants must be a change of the promise)
 DOC_MMAP = 8 << 20
 DOC_TRIM = 64 << 20

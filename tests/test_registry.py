@@ -1,4 +1,4 @@
-"""Guards for the op registry (microtensor/registry.pxi): one row per op makes its `mt.`
+"""Guards for the op registry (microtensor/core/registry.pxi): one row per op makes its `mt.`
 function, its Tensor method and names its operator; nothing else may make them."""
 import inspect
 import operator
@@ -52,13 +52,13 @@ FORWARD = r'def (\w+)\(self[^)]*\):\s*(?:"""[^"]*"""\s*)?return \1\(self'
 
 
 def test_tensor_pxi_has_no_hand_written_forward_for_a_registered_op():
-    """`def exp(self): return exp(self)` in tensor.pxi would be a second place the method
+    """`def exp(self): return exp(self)` in core/tensor.pxi would be a second place the method
     is made; the registry row is the one place."""
-    source = (ROOT / "microtensor" / "tensor.pxi").read_text(encoding="utf-8")
+    source = (ROOT / "microtensor" / "core/tensor.pxi").read_text(encoding="utf-8")
     forwards = re.findall(FORWARD, source)
     registered = {row.name for row in ROWS}
     hand_written = sorted(set(forwards) & registered)
-    assert not hand_written, f"tensor.pxi forwards registered ops by hand: {hand_written}"
+    assert not hand_written, f"core/tensor.pxi forwards registered ops by hand: {hand_written}"
 
 
 def test_the_forward_pattern_catches_a_hand_written_forward():
@@ -68,7 +68,7 @@ def test_the_forward_pattern_catches_a_hand_written_forward():
     assert [re.findall(FORWARD, s) for s in samples] == [["exp"], ["sum"], []]
 
 
-# ---- operators: each slot in tensor.pxi calls the module-level function its row names ----
+# ---- operators: each slot in core/tensor.pxi calls the module-level function its row names ----
 
 BINARY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
           "**": operator.pow, "//": operator.floordiv, "%": operator.mod, "@": operator.matmul,
@@ -94,10 +94,10 @@ def test_every_binary_operator_has_a_row():
 
 @pytest.mark.parametrize("row", OPERATOR_ROWS, ids=lambda r: r.name)
 def test_an_operator_calls_its_rows_function(row, monkeypatch):
-    import microtensor._core as core
+    import microtensor.core._core as core
     name = row.function.__name__
     original = getattr(core, name)
-    assert original is row.function, f"mt._core.{name} is not the {row.name} row's function"
+    assert original is row.function, f"mt.core._core.{name} is not the {row.name} row's function"
     calls = []
 
     def spy(*args, **kwargs):
@@ -107,7 +107,7 @@ def test_an_operator_calls_its_rows_function(row, monkeypatch):
     monkeypatch.setattr(core, name, spy)
     a, b = operands(row.operator)
     out = BINARY[row.operator](a, b)
-    assert calls, f"`a {row.operator} b` did not call mt._core.{name}"
+    assert calls, f"`a {row.operator} b` did not call mt.core._core.{name}"
     expected = row.function(a, b)
     assert out.dtype == expected.dtype
     np.testing.assert_array_equal(out.numpy(), expected.numpy())
@@ -189,7 +189,7 @@ def in_table(name):
 
 
 def core_rows():
-    return [r for r in ROWS if r.module == "microtensor._core"]
+    return [r for r in ROWS if r.module == "microtensor.core._core"]
 
 
 def test_every_core_op_with_a_gradient_has_a_table_line():

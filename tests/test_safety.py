@@ -17,7 +17,7 @@ import pytest
 
 import microtensor as mt
 import microtensor.nn.functional as F
-from microtensor import _blas
+from microtensor.kernels import _blas
 from microtensor.optim import _adamw
 
 rng = np.random.default_rng(0)
@@ -863,7 +863,7 @@ def softmax_ref(x, up, log=False):
 def test_softmax_threaded(threads, log, dtype):
     x = rng.standard_normal((400, 200))                  # 80,000 >= 2**16
     assert x.size >= F._PARALLEL_MIN
-    assert x.size >= parallel_min("_fused.pyx", "_SOFTMAX_BACKWARD_PARALLEL_MIN")
+    assert x.size >= parallel_min("kernels/_fused.pyx", "_SOFTMAX_BACKWARD_PARALLEL_MIN")
     name = "log_softmax" if log else "softmax"
     check_threaded(threads, lambda x: getattr(F, name)(x, -1), [x],
                    lambda x, up: softmax_ref(x, up, log), threads.fused,
@@ -888,7 +888,7 @@ def elementwise_ref(name, x, up):
 @pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu"])
 def test_elementwise_threaded(threads, name, dtype):
     x = rng.standard_normal(50_000) * 3
-    assert x.size >= parallel_min("_fused.pyx", "_GELU_PARALLEL_MIN")
+    assert x.size >= parallel_min("kernels/_fused.pyx", "_GELU_PARALLEL_MIN")
     fn = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}[name]
     kernel = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu": "silu"}[name]
     check_threaded(threads, fn, [x], lambda x, up: elementwise_ref(name, x, up), threads.fused,
@@ -898,7 +898,7 @@ def test_elementwise_threaded(threads, name, dtype):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_cross_entropy_threaded(threads, dtype):
     x = rng.standard_normal((400, 100))
-    assert x.size >= parallel_min("_fused.pyx", "_CROSSENTROPY_PARALLEL_MIN")
+    assert x.size >= parallel_min("kernels/_fused.pyx", "_CROSSENTROPY_PARALLEL_MIN")
     t = rng.integers(0, 100, 400)
     t[::7] = -100                                         # some rows ignored
 
@@ -918,7 +918,7 @@ def test_embedding_threaded(threads, dtype):
     # backward splits the columns over threads (repeated ids would race over rows)
     W = rng.standard_normal((50, 64))
     ids = rng.integers(0, 50, 5000)                       # 320,000 >= 2**18, many repeats
-    assert ids.size * W.shape[1] >= parallel_min("_fused.pyx", "_COPY_PARALLEL_MIN")
+    assert ids.size * W.shape[1] >= parallel_min("kernels/_fused.pyx", "_COPY_PARALLEL_MIN")
 
     def ref(ids, W, up):
         dW = np.zeros_like(W)
@@ -930,7 +930,7 @@ def test_embedding_threaded(threads, dtype):
 
 def test_dropout_threaded(threads):
     x = rng.standard_normal(300_000)
-    assert x.size >= parallel_min("_fused.pyx", "_COPY_PARALLEL_MIN")
+    assert x.size >= parallel_min("kernels/_fused.pyx", "_COPY_PARALLEL_MIN")
 
     def run():
         mt.manual_seed(5)
@@ -940,7 +940,7 @@ def test_dropout_threaded(threads):
     threaded, _ = threads(run, 2)
     assert threads.fused.threads("dropout_forward") == [1, 2]
     mt.manual_seed(5)
-    keep = (mt._core.default_generator().random(x.size, dtype=np.float32) >= np.float32(0.3)) / 0.7
+    keep = (mt.core._core.default_generator().random(x.size, dtype=np.float32) >= np.float32(0.3)) / 0.7
     for a, b, e in zip(serial, threaded, [x * keep, up * keep]):
         np.testing.assert_array_equal(b, a)
         np.testing.assert_allclose(b, e, rtol=1e-12)
@@ -967,7 +967,7 @@ def test_attention_threaded(threads, causal, dtype):
     # query rows make two row blocks (block = 128, or 64 when causal)
     q = rng.standard_normal((2, 2, 200, 16))
     k = rng.standard_normal((2, 2, 150, 16))
-    assert 4 * 200 * 150 * 16 >= parallel_min("_fused_attention.pyx", "_ATTENTION_PARALLEL_MIN")
+    assert 4 * 200 * 150 * 16 >= parallel_min("kernels/_fused_attention.pyx", "_ATTENTION_PARALLEL_MIN")
     v = rng.standard_normal((2, 2, 150, 8))
     check_threaded(threads,
                    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
@@ -983,7 +983,7 @@ def test_attention_threaded(threads, causal, dtype):
 def test_gemm_threaded(ta, tb, dtype, M, K, N, nt):
     # _blas.gemm splits C over threads from _PARALLEL_MIN_FLOPS multiply-adds: its rows
     # when M >= N, its columns (blocks of 16) when M < N; neither splits evenly here
-    assert M * K * N >= parallel_min("_blas.pyx", "_PARALLEL_MIN_FLOPS")
+    assert M * K * N >= parallel_min("kernels/_blas.pyx", "_PARALLEL_MIN_FLOPS")
     a = rng.standard_normal((K, M) if ta else (M, K)).astype(dtype)
     b = rng.standard_normal((N, K) if tb else (K, N)).astype(dtype)
     a_op, b_op = (a.T if ta else a), (b.T if tb else b)
@@ -1003,7 +1003,7 @@ def test_linear_threaded(threads, dtype):
     x = rng.standard_normal((3, 131, 128))                # 393 rows: an odd split
     w = rng.standard_normal((130, 128))
     b = rng.standard_normal(130)
-    assert 393 * 128 * 130 >= parallel_min("_blas.pyx", "_PARALLEL_MIN_FLOPS")
+    assert 393 * 128 * 130 >= parallel_min("kernels/_blas.pyx", "_PARALLEL_MIN_FLOPS")
     check_threaded(threads, F.linear, [x, w, b],
                    lambda x, w, b, up: [x @ w.T + b, up @ w,
                                         up.reshape(-1, 130).T @ x.reshape(-1, 128),
@@ -1014,7 +1014,7 @@ def test_linear_threaded(threads, dtype):
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, True)])
 def test_batched_gemm_threaded(ta, tb):
     L, M, K, N = 5, 30, 120, 150
-    assert L * M * K * N >= parallel_min("_blas.pyx", "_PARALLEL_MIN_FLOPS")
+    assert L * M * K * N >= parallel_min("kernels/_blas.pyx", "_PARALLEL_MIN_FLOPS")
     a = rng.standard_normal((L, K, M) if ta else (L, M, K))
     b = rng.standard_normal((L, N, K) if tb else (L, K, N))
     a_op = a.transpose(0, 2, 1) if ta else a
@@ -1073,7 +1073,7 @@ def test_optimizer_threaded(kind):
 def test_clip_grad_norm_threaded():
     # the core's sum-of-squares kernel reduces over threads above its threshold
     g = rng.standard_normal(200_000).astype(np.float32)
-    assert g.size >= parallel_min("kernels.pxi", "_PARALLEL_MIN")
+    assert g.size >= parallel_min("kernels/core_kernels.pxi", "_PARALLEL_MIN")
     totals = []
     before = mt.get_num_threads()
     try:

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import microtensor as mt
-from microtensor import _blas, _core, threads
+from microtensor import threads
+from microtensor.kernels import _blas
+from microtensor.core import _core
 from microtensor.nn import functional as F
 
 from models import GPT, GPTConfig

@@ -7,9 +7,9 @@ every threaded path runs here with 2 and with 3 threads, above its threading thr
 at sizes that are neither even nor a multiple of 3 (prime row counts), and its result
 (forward and backward) must equal the one-thread result and torch's (in float64).
 
-The kernels: _fused.pyx (norms, softmax, cross-entropy, GELU, SiLU, embedding, dropout),
-_fused_attention.pyx (threads over batch x heads), kernels.pxi (elementwise backward
-pairs, relu, sigmoid, max along a dim, sum of squares), _blas.pyx (gemm splits output
+The kernels: kernels/_fused.pyx (norms, softmax, cross-entropy, GELU, SiLU, embedding, dropout),
+kernels/_fused_attention.pyx (threads over batch x heads), kernels/core_kernels.pxi (elementwise backward
+pairs, relu, sigmoid, max along a dim, sum of squares), kernels/_blas.pyx (gemm splits output
 rows, batched_gemm takes whole matrices), optim/_adamw.pyx (AdamW, Adam, SGD steps).
 Whether a fused kernel was handed the thread count is recorded; the core's kernels and
 the optimizers read the count themselves above 2**15 elements, which every size here
@@ -26,7 +26,7 @@ import microtensor.nn.functional as F
 torch = pytest.importorskip("torch")
 TF = torch.nn.functional
 
-CORE_PARALLEL_MIN = 1 << 15                               # kernels.pxi's _PARALLEL_MIN
+CORE_PARALLEL_MIN = 1 << 15                               # kernels/core_kernels.pxi's _PARALLEL_MIN
 N_ELEMENTS = CORE_PARALLEL_MIN + 7                        # odd, not a multiple of 3
 ROWS = 1031                                               # prime
 
@@ -125,7 +125,7 @@ OPS = {
                          lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                          lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True),
                          ["attention_forward", "attention_backward"]),
-    # the core's kernels (kernels.pxi)
+    # the core's kernels (kernels/core_kernels.pxi)
     "relu": (_flat(), mt.relu, torch.relu, []),
     "sigmoid": (_flat(), mt.sigmoid, torch.sigmoid, []),
     "tanh": (_flat(), mt.tanh, torch.tanh, []),
@@ -139,7 +139,7 @@ OPS = {
                   lambda x: torch.amax(x, 0), []),
     "index_rows": (lambda r: [r.standard_normal((53, 701))],         # backward: scatter-add
                    lambda x: x[mt.tensor(_IDS % 53)], lambda x: x[torch.from_numpy(_IDS % 53)], []),
-    # _blas.pyx: gemm splits the output rows (1031 rows), batched_gemm whole matrices (5)
+    # kernels/_blas.pyx: gemm splits the output rows (1031 rows), batched_gemm whole matrices (5)
     "linear": (lambda r: [r.standard_normal((ROWS, 40)), r.standard_normal((53, 40)),
                           r.standard_normal(53)], F.linear, TF.linear, []),
     "matmul_2d": (lambda r: [r.standard_normal((ROWS, 40)), r.standard_normal((40, 29))],

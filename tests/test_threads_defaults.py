@@ -48,7 +48,7 @@ CHILD = ("import subprocess, sys; print(subprocess.run([sys.executable, '-c', \"
 def test_passive_waiting_is_set_before_the_runtime_starts():
     """For this process's runtime only: os.environ, and so a subprocess, see the user's
     environment unchanged (None), while libgomp took the passive policy (spin 0)."""
-    r = python(SHOW + "; " + CHILD + "; print(mt._omp_env.settings()['OMP_WAIT_POLICY'])",
+    r = python(SHOW + "; " + CHILD + "; print(mt.runtime._omp_env.settings()['OMP_WAIT_POLICY'])",
                {"OMP_DISPLAY_ENV": "VERBOSE"})
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -83,7 +83,7 @@ def test_an_explicit_setting_is_left_alone(user, expected_env):
 
 
 def test_apply_defaults_reports_its_sources():
-    from microtensor import _omp_env
+    from microtensor.runtime import _omp_env
     assert _omp_env.apply_defaults({}) == {"OMP_WAIT_POLICY": "microtensor"}
     env = {"GOMP_SPINCOUNT": "10"}
     assert _omp_env.apply_defaults(env) == {"GOMP_SPINCOUNT": "user"}
@@ -216,7 +216,7 @@ def test_examples_default_to_the_librarys_thread_count():
 
 def test_show_config_names_cpu_build_blas_threads(capsys):
     import microtensor as mt
-    from microtensor.buildinfo import config, cpu_model
+    from microtensor.runtime.buildinfo import config, cpu_model
     mt.show_config()
     out = capsys.readouterr().out
     c = config()

@@ -1,18 +1,18 @@
 """mt.autograd: gradients without touching .grad, anomaly detection, gradcheck.
 
 The engine itself (the Node type and the backward traversal) lives in
-`autograd_engine.pxi`; this package is its public face. Higher-order gradients
+`core/engine.pxi`; this package is its public face. Higher-order gradients
 (`create_graph=True`): each node's `create_graph` rule, run by `higher_order.py`. `grad`
 and `backward` are in `gradients.py`; Jacobians, Hessians and
 vector products: `mt.autograd.functional`.
 """
 import numpy as np
 
-from microtensor._core import (
+from microtensor.core._core import (
     Tensor, Node, run_backward, wrap, needs_graph, attach, no_grad, enable_grad, set_grad_enabled,
     is_grad_enabled, detect_anomaly, AnomalyError, is_anomaly_enabled,
 )
-from microtensor.gradcheck import gradcheck, gradgradcheck, GradcheckError
+from microtensor.autograd.gradcheck import gradcheck, gradgradcheck, GradcheckError
 
 __all__ = ["grad", "backward", "gradcheck", "gradgradcheck", "GradcheckError", "detect_anomaly",
            "AnomalyError", "Function", "FunctionCtx", "once_differentiable", "function", "Node",

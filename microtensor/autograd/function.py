@@ -42,8 +42,8 @@ import inspect as _inspect
 
 import numpy as np
 
-import microtensor._core as C
-from microtensor._core import (Tensor, Node, SliceGrad, wrap, needs_graph, attach, no_grad,
+import microtensor.core._core as C
+from microtensor.core._core import (Tensor, Node, SliceGrad, wrap, needs_graph, attach, no_grad,
                                enable_grad)
 
 __all__ = ["Function", "FunctionCtx", "once_differentiable"]

@@ -17,8 +17,8 @@ detached; with it they can be differentiated again.
 """
 import numpy as np
 
-import microtensor._core as C
-from microtensor._core import Tensor, wrap
+import microtensor.core._core as C
+from microtensor.core._core import Tensor, wrap
 from microtensor.autograd.gradients import grad as _grad
 
 __all__ = ["vjp", "jvp", "vhp", "hvp", "jacobian", "hessian"]

@@ -1,8 +1,8 @@
 """grad and backward: the two ways into the engine's backward pass (run_backward, in
-autograd_engine.pxi) that mt.autograd offers, with the upstream gradients they seed."""
+core/engine.pxi) that mt.autograd offers, with the upstream gradients they seed."""
 import numpy as np
 
-from microtensor._core import Tensor, run_backward
+from microtensor.core._core import Tensor, run_backward
 
 
 def _as_list(x):

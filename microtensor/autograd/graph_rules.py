@@ -1,17 +1,17 @@
 """What create-graph rules share, and where the engine finds one.
 
 Every node's rule is its `create_graph(self, g)` method, written beside its `backward`
-in the op's own file (ops_pointwise.pxi, nn/_activations_fn.py, ops_extra.py, ...):
+in the op's own file (ops/pointwise.pxi, nn/_activations_fn.py, ops/extra.py, ...):
 the same gradients as `backward`, computed with differentiable ops so that
 create_graph=True can differentiate them again. `rule_for` finds it. Also here, for the
 rules written in Python: the helpers on inputs, shapes and constants and `add_at` (the
 differentiable scatter that is indexing's gradient), which live in the core
-(graph_helpers.pxi) because its own nodes' rules use them too; and `_through_primitives`,
+(core/graph_helpers.pxi) because its own nodes' rules use them too; and `_through_primitives`,
 which differentiates an op by running its forward again as differentiable primitives
 (the rule of the fused ops whose backward formula is long).
 """
-import microtensor._core as C
-from microtensor._core import (  # noqa: F401  (the helpers the rules share)
+import microtensor.core._core as C
+from microtensor.core._core import (  # noqa: F401  (the helpers the rules share)
     _wants, _live, _sum_to, _keepdim, _const, IndexAddBackward, add_at,
 )
 

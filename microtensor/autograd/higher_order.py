@@ -7,8 +7,8 @@ the gradients it returns have a `grad_fn` and can be differentiated again, to an
 
 Each node type has one rule, its `create_graph(self, g)` method (one gradient per
 input), written beside its `backward` in the op's own file: the core's ops in their
-.pxi family files (ops_pointwise.pxi, ops_unary.pxi, ops_reduce.pxi, ops_shape.pxi,
-ops_matmul.pxi), the others beside their Python nodes.
+.pxi family files (ops/pointwise.pxi, ops/unary.pxi, ops/reduce.pxi, ops/shape.pxi,
+ops/matmul.pxi), the others beside their Python nodes.
 
 A rule reads `node.inputs` (the live input tensors) wherever the gradient depends on an
 input's value, so that the second derivative flows back into that input. The arrays a
@@ -31,8 +31,8 @@ found and the helpers rules share are in `graph_rules.py`.
 """
 import numpy as np
 
-import microtensor._core as C
-from microtensor._core import Tensor, Node, wrap, attach
+import microtensor.core._core as C
+from microtensor.core._core import Tensor, Node, wrap, attach
 # where a rule is found, and the helpers the rules share
 from microtensor.autograd.graph_rules import (  # noqa: F401
     rule_for, IndexAddBackward, add_at, _wants, _live, _sum_to, _keepdim,

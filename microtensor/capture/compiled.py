@@ -47,8 +47,8 @@ import threading
 import types
 import warnings
 
-from microtensor import _core
-from microtensor._core import Tensor
+from microtensor.core import _core
+from microtensor.core._core import Tensor
 from microtensor.capture import names as _names
 from microtensor.capture import guards as _guards
 from microtensor.capture.recorder import Recorder, current

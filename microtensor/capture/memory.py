@@ -1,7 +1,7 @@
 """Memory planning: one arena per plan, sized from a logged replay.
 
 The first replay of a plan logs every array allocation: its size, and when it was
-made and freed (microtensor/_arena.pyx). An allocation still alive when the replay
+made and freed (microtensor/kernels/_arena.pyx). An allocation still alive when the replay
 ends (the result, the parameters' gradients) stays on the heap. The others are placed
 in one arena, largest first, each at the lowest offset where it overlaps in memory no
 placed allocation that is alive at the same time: allocations whose lifetimes do not
@@ -9,9 +9,9 @@ overlap share memory. Later replays take their allocations from the arena by num
 """
 import numpy as np
 
-from microtensor._arena import Arena
+from microtensor.kernels._arena import Arena
 
-HEADER = 64          # the arena's per-block header (see _arena.pyx)
+HEADER = 64          # the arena's per-block header (see kernels/_arena.pyx)
 
 
 def _block(size):

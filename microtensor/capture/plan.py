@@ -9,12 +9,12 @@ name: what is left per op is the op itself.
 import threading
 import time
 
-from microtensor import _core
+from microtensor.core import _core
 from microtensor.capture.recorder import Slot, Seq, resolve, same_constant
 from microtensor.capture.memory import Memory
 from microtensor.capture.names import names_hold
 from microtensor.capture import guards as _guards
-from microtensor._core import Tensor
+from microtensor.core._core import Tensor
 
 _FLOP_LABELS = ("matmul", "F.linear", "F.scaled_dot_product_attention", "bmm", "mm")
 

@@ -2,7 +2,7 @@
 
 While any recording is on, every op is wrapped once for all threads (`_install`): the
 public functions of the core and of the modules registered with `register_ops`
-(microtensor/_intercept.py), every Tensor method but those that only read shapes or
+(microtensor/ops/_intercept.py), every Tensor method but those that only read shapes or
 values (TENSOR_READS: in-place methods such as `exp_` and `masked_fill_` are ops with
 records of their own), and the calls marked with `recorded_call` (an optimizer's step,
 clip_grad_norm_, zero_grad). A wrapper asks its own thread's Recorder, if it has one,
@@ -36,8 +36,9 @@ import threading
 import traceback
 import types
 
-from microtensor import _core, _intercept
-from microtensor._core import Tensor
+from microtensor.core import _core
+from microtensor.ops import _intercept
+from microtensor.core._core import Tensor
 from microtensor.capture import guards as _guards_mod
 
 # Tensor methods that read shapes or values and make no tensor: never recorded (a value

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 import re
 
-from microtensor._core import Tensor
+from microtensor.core._core import Tensor
 
 __all__ = ["ModuleCall", "ModuleCalls", "track_modules"]
 

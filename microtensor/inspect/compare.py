@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from microtensor._core import Tensor
+from microtensor.core._core import Tensor
 from microtensor.inspect.visits import backward_order
 
 __all__ = ["compare_grads", "backward_names", "GradReport", "GradLine", "retain_grads", "math_line"]

@@ -33,8 +33,8 @@ import math
 
 import numpy as np
 
-from microtensor import _core
-from microtensor._core import Tensor
+from microtensor.core import _core
+from microtensor.core._core import Tensor
 from microtensor.inspect.calls import track_modules
 from microtensor.inspect.compare import math_line
 from microtensor.inspect.explore_page import render_page

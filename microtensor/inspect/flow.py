@@ -10,7 +10,7 @@ engine's first `step` visits; examples/graph.py --animate makes a GIF of the ste
 """
 import math
 
-from microtensor._core import Tensor
+from microtensor.core._core import Tensor
 
 from microtensor.inspect.drawing import layout
 from microtensor.inspect.residual import residual_adds

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
-from microtensor._core import Tensor
+from microtensor.core._core import Tensor
 from microtensor.inspect.drawing import draw_layered
 from microtensor.inspect.residual import residual_adds
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from microtensor._core import Tensor
+from microtensor.core._core import Tensor
 from microtensor.inspect.calls import track_modules
 from microtensor.inspect.residual import SkipPath, residual_adds, start_stream, stop_stream
 

@@ -15,7 +15,7 @@ runs, exactly as it does for the real one.
 """
 import numpy as np
 
-from microtensor import _core
+from microtensor.core import _core
 
 
 def _reaches(start, target, region):

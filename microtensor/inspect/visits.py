@@ -3,7 +3,7 @@
 Two ways to know it:
 
 - `backward_order(roots)` works it out without running anything: the engine runs a node
-  once every op that read its output has reported (Kahn's algorithm, autograd_engine.pxi),
+  once every op that read its output has reported (Kahn's algorithm, core/engine.pxi),
   taking the ready nodes last-in first-out; this repeats that walk on `node.inputs`,
   which stay in place after backward.
 - `BackwardTrace` watches a backward pass that really runs, through the engine's
@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from microtensor import _core
-from microtensor._core import Tensor
+from microtensor.core import _core
+from microtensor.core._core import Tensor
 
 __all__ = ["backward_order", "BackwardTrace", "grad_norm"]
 

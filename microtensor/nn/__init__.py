@@ -12,7 +12,7 @@
         def forward(self, x):
             return self.c_proj(F.gelu(self.c_fc(x)))
 """
-from microtensor._core import Parameter
+from microtensor.core._core import Parameter
 from microtensor.nn import functional
 from microtensor.nn import init
 from microtensor.nn import utils
@@ -34,7 +34,7 @@ from microtensor.nn.losses import (
 from microtensor.nn.normalization import BatchNorm1d
 from microtensor import profiler as _profiler
 
-# the profiler times F's ops too, and mt.compile records them (microtensor/_intercept.py)
+# the profiler times F's ops too, and mt.compile records them (microtensor/ops/_intercept.py)
 from microtensor.nn import functional_extra as _functional_extra, rope as _rope  # noqa: E402
 for _module in (functional, _functional_extra, _rope):
     _profiler.register_ops(_module, "F.")

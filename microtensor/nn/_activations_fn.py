@@ -10,8 +10,8 @@ import math
 
 import scipy.special
 
-import microtensor._core as _core
-from microtensor._core import Node, wrap, needs_graph, attach
+import microtensor.core._core as _core
+from microtensor.core._core import Node, wrap, needs_graph, attach
 from microtensor.nn import functional as F
 from microtensor.nn._functional_common import (
     declare_saved, _float_array, _contig, _grad_as, _threads,

@@ -8,11 +8,11 @@ import math
 
 import numpy as np
 
-import microtensor._core as _core
-from microtensor import _fused_attention
+import microtensor.core._core as _core
+from microtensor.kernels import _fused_attention
 from microtensor.autograd.graph_rules import _through_primitives
 from microtensor.nn._activations_fn import softmax
-from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 from microtensor.nn import functional as F
 from microtensor.nn._functional_common import (
     DtypeError, declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads,

@@ -2,14 +2,14 @@
 the `reduction` option), the dtype error they raise, array plumbing (contiguous
 copies, private index copies, upstream gradients in the right shape and dtype), the
 thread count a kernel of a given size gets. The loader that picks the build of the
-kernels (AVX-512, AVX2+FMA or baseline) is microtensor._blas_choice's, imported here;
+kernels (AVX-512, AVX2+FMA or baseline) is microtensor.runtime._blas_choice's, imported here;
 `microtensor.nn.functional` loads the kernels once and holds them as `_fused` and
 `_attention`; the op modules read them there.
 """
 import numpy as np
 
-import microtensor._core as _core
-from microtensor._core import Tensor
+import microtensor.core._core as _core
+from microtensor.core._core import Tensor
 
 # Which tensors each rule reads in backward (the version check of in-place changes looks
 # at these only, as torch checks the tensors it saved): input positions, and the output.
@@ -17,8 +17,8 @@ declare_saved = _core.declare_saved
 
 
 # the CPU's features and the choice of kernel build live with the engine's other
-# import-time choices (microtensor/_blas_choice.py); F loads the chosen pair
-from microtensor._blas_choice import (  # noqa: E402,F401  (names the tests and benchmarks read)
+# import-time choices (microtensor/runtime/_blas_choice.py); F loads the chosen pair
+from microtensor.runtime._blas_choice import (  # noqa: E402,F401  (names the tests and benchmarks read)
     _cpu_features, _cpu_has_avx2_fma, _cpu_has_avx512, KERNEL_BUILDS, _kernel_request,
     _import_build, kernel_builds_here, _load_kernels,
 )

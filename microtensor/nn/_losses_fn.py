@@ -6,12 +6,12 @@ was imported (and a test may swap it there).
 """
 import numpy as np
 
-from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
-import microtensor._core as _core
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+import microtensor.core._core as _core
 from microtensor.autograd.graph_rules import _wants, _sum_to, _const
 from microtensor.nn._activations_fn import softmax
 from microtensor.nn import functional as F
-from microtensor._core import ArgumentError
+from microtensor.core._core import ArgumentError
 from microtensor.nn._functional_common import (
     DtypeError, declare_saved, _tensor, _float_array, _contig, _owned_indices, _threads,
     _wants_grad, _check_reduction, _unbroadcast,
@@ -185,7 +185,7 @@ def _class_weight(weight, n_classes, ndim_after):
         raise ShapeError(f"cross_entropy: weight tensor should be defined either for all "
                          f"{n_classes} classes or no classes but got weight tensor of "
                          f"shape: {list(w.shape)}")
-    from microtensor import _core as C
+    from microtensor.core import _core as C
     return C.reshape(w, (n_classes,) + (1,) * ndim_after)
 
 
@@ -193,7 +193,7 @@ def _cross_entropy_weighted(input, t, weight, ignore_index, reduction, label_smo
     """Class-index targets with class weights, as torch: loss_n = -(1 - s) w[t_n] logp[n, t_n]
     - (s / C) sum_c w_c logp[n, c], ignored rows zero; 'mean' divides by the sum of
     w[t_n] over the counted rows. From differentiable ops (the fused kernel has no weights)."""
-    from microtensor import _core as C
+    from microtensor.core import _core as C
     x = input if isinstance(input, Tensor) else wrap(np.asarray(input))
     rows, tgt, out_shape, how = _ce_rows(x._data, t, "cross_entropy")
     dim = 1 if x.ndim >= 2 else 0
@@ -235,7 +235,7 @@ def _cross_entropy_weighted(input, t, weight, ignore_index, reduction, label_smo
 def _nan_with_zero_grad(total):
     """'mean' over no counted target, as torch: the loss is NaN (0 / 0) and the gradient
     exactly 0 (nothing was counted), not NaN (a division by 0 in the backward)."""
-    from microtensor import _core as C
+    from microtensor.core import _core as C
     return C.add(C.mul(total, 0.0), float("nan"))
 
 
@@ -244,7 +244,7 @@ def _cross_entropy_probs(input, target, weight, reduction, label_smoothing):
     the class dim (dim 1, or 0 for a 1-D input), y = (1 - s) y + s / C with smoothing s;
     'mean' divides by the number of rows (not by the weights). Built from differentiable
     ops, so the target gets a gradient too and create_graph works through it."""
-    from microtensor import _core as C
+    from microtensor.core import _core as C
     x = input if isinstance(input, Tensor) else wrap(np.asarray(input))
     y = target if isinstance(target, Tensor) else wrap(np.asarray(target))
     dim = 1 if x.ndim >= 2 else 0
@@ -280,7 +280,7 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     0 where t_n is ignore_index; 'mean' divides the sum by the sum of w[t_n] over the
     counted targets (NaN, with a zero gradient, when none is counted), as torch.
     Layouts: (C,) with (), (N, C) with (N,), (N, C, d1, ...) with (N, d1, ...)."""
-    from microtensor import _core as C
+    from microtensor.core import _core as C
     logp = _tensor(input, "nll_loss input")
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction)

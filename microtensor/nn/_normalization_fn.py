@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from microtensor._core import Node, wrap, needs_graph, attach, ShapeError
-import microtensor._core as _core
+from microtensor.core._core import Node, wrap, needs_graph, attach, ShapeError
+import microtensor.core._core as _core
 from microtensor.autograd.graph_rules import _const, _through_primitives
 from microtensor.nn import functional as F
 from microtensor.nn._functional_common import (

@@ -1,6 +1,6 @@
 """Activation modules and shape modules: each holds its settings and calls the matching
 F.* function in forward (torch's names, arguments and printed form)."""
-from microtensor import _core
+from microtensor.core import _core
 from microtensor.nn import functional as F
 from microtensor.nn import functional_extra as FX
 from microtensor.nn.module import Module

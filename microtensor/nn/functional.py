@@ -20,9 +20,9 @@ import math
 
 import numpy as np
 
-import microtensor._core as _core
-from microtensor import _blas
-from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+import microtensor.core._core as _core
+from microtensor.kernels import _blas
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 from microtensor.autograd.graph_rules import _wants, add_at as _add_at
 from microtensor.nn._functional_common import (  # noqa: F401  (F._threads etc. stay here)
     declare_saved, _cpu_has_avx2_fma, _load_kernels, DtypeError, _tensor, _float_array,

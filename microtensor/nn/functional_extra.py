@@ -9,12 +9,12 @@ import math
 
 import numpy as np
 
-import microtensor._core as _core
-from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+import microtensor.core._core as _core
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 from microtensor.autograd.graph_rules import _wants, _const
-from microtensor import ops_extra as _ops
-from microtensor._ops_common import _tensor, _dim, declare_saved
-from microtensor.ops_linalg import vector_norm
+from microtensor.ops import extra as _ops
+from microtensor.ops._common import _tensor, _dim, declare_saved
+from microtensor.ops.linalg import vector_norm
 from microtensor.nn._activations_fn import softmax as _softmax
 
 __all__ = [

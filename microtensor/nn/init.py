@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 
-from microtensor import _core
-from microtensor._core import Tensor
-from microtensor.ops_creation import _generator
+from microtensor.core import _core
+from microtensor.core._core import Tensor
+from microtensor.ops.creation_extra import _generator
 
 __all__ = ["calculate_gain", "normal_", "uniform_", "zeros_", "ones_", "constant_",
            "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",

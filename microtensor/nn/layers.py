@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from microtensor._core import Parameter, as_dtype
+from microtensor.core._core import Parameter, as_dtype
 from microtensor.nn import functional as F
 from microtensor.nn import init
 from microtensor.nn.module import Module

@@ -17,7 +17,7 @@ from collections import OrderedDict, namedtuple
 
 import numpy as np
 
-from microtensor._core import Tensor, Parameter, as_dtype, parse_to_args
+from microtensor.core._core import Tensor, Parameter, as_dtype, parse_to_args
 from microtensor.nn.utils import zero_grads
 from microtensor.capture.recorder import recorded_call
 

@@ -1,8 +1,8 @@
 """BatchNorm1d: normalise each channel over the batch (makemore's favourite layer)."""
 import numpy as np
 
-from microtensor._core import Parameter, wrap, as_dtype
-from microtensor.ops_creation import _check_device
+from microtensor.core._core import Parameter, wrap, as_dtype
+from microtensor.ops.creation_extra import _check_device
 from microtensor.nn import functional_extra as FX
 from microtensor.nn.module import Module
 

@@ -17,9 +17,9 @@ node (the rule) sits right above its forward function.
 """
 import numpy as np
 
-from microtensor._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
-import microtensor._core as _core
-from microtensor._ops_common import declare_saved
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+import microtensor.core._core as _core
+from microtensor.ops._common import declare_saved
 
 __all__ = ["rotary_embedding"]
 

@@ -3,9 +3,9 @@ import math
 
 import numpy as np
 
-from microtensor import _core
-from microtensor._core import Tensor, wrap
-from microtensor._grads import zero_grads  # noqa: F401  (Module.zero_grad reads it here)
+from microtensor.core import _core
+from microtensor.core._core import Tensor, wrap
+from microtensor.core._grads import zero_grads  # noqa: F401  (Module.zero_grad reads it here)
 from microtensor.capture.recorder import recorded_call
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]

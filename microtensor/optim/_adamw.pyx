@@ -16,12 +16,12 @@
 from cython.parallel cimport prange
 from libc.math cimport sqrt, sqrtf
 cimport cython
-from microtensor._common cimport real, threads_for, use_team
-from microtensor._blas import team_pointer as _team_pointer
+from microtensor.kernels._common cimport real, threads_for, use_team
+from microtensor.kernels._blas import team_pointer as _team_pointer
 
-use_team(_team_pointer())   # the team microtensor._blas measures (team_of in _common.pxd)
+use_team(_team_pointer())   # the team microtensor.kernels._blas measures (team_of in kernels/_common.pxd)
 
-# Parallel threshold (elements; see threads_for in _common.pxd): adam_step at one
+# Parallel threshold (elements; see threads_for in kernels/_common.pxd): adam_step at one
 # thread, float32, 1.8 ns an element (2^15 elements in 58 us) on a 2-core Intel Xeon
 # (Sapphire Rapids class, best of many runs); sgd_step takes the same bound.
 cdef double _PARALLEL_MIN = 1 << 15

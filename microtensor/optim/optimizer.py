@@ -20,8 +20,8 @@ from numbers import Number
 
 import numpy as np
 
-from microtensor._core import Tensor, ShapeError, enable_grad, get_num_threads, wrap
-from microtensor._grads import zero_grads
+from microtensor.core._core import Tensor, ShapeError, enable_grad, get_num_threads, wrap
+from microtensor.core._grads import zero_grads
 from microtensor.capture.recorder import recorded_call
 
 

@@ -1,0 +1,406 @@
+# cython: embedsignature=True, wraparound=True
+"""Fused scaled-dot-product attention: a forward/backward kernel pair.
+
+Shapes (the Python side flattens the batch dims into one BH axis and checks them):
+    q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv), out / dout (BH, Tq, hv)
+    rowmax, logsum (BH, Tq): the log-sum-exp of each row of scores as the pair
+        (m, s) of kernels/_fused_math.pxi (lse = m + s, never added up), all backward keeps of
+        softmax: P = exp((S - m) - s)
+    mask (NM, Tq, Tk) additive float slabs, mask_index (BH,) picks the slab of each bh
+
+    S = scale * q @ k^T + mask         P = softmax_rows(S)        out = P @ v
+    dv = P^T @ dout     dP = dout @ v^T     dS = P * (dP - rowsum(P * dP))
+    dq = scale * dS @ k          dk = scale * dS^T @ q
+
+How it runs: threads take whole (b, h) pairs (prange over BH, no two threads ever write
+the same dk / dv). Inside one pair the query rows go in blocks of `block` rows; a block
+is one BLAS gemm for its scores (block, kmax), a row-wise softmax in place, and one gemm
+into out. Only that block of scores exists at any time (one buffer per thread, never
+the T x T matrix). Under is_causal, row i sees keys 0..i (top-left aligned, as torch),
+so the block of rows [i0, i1) needs only the first kmax = min(Tk, i1) keys: the gemms
+are trimmed to that and no work is spent on the masked upper triangle beyond the
+block's own diagonal. Backward recomputes P from the saved (rowmax, logsum) pair, block by block.
+
+NaN and Inf propagate as in torch, which adds a mask of -inf to the scores: a row of
+NaN scores gives a NaN row (only a row whose every score is -inf, all masked, gives 0),
+and under is_causal a NaN or inf that reaches a masked entry (NaN + -inf, inf + -inf
+and 0 * inf are NaN) poisons that row. So the causal trimming is used only for a (b, h)
+whose q, k, v (and dout) are finite and small enough that nothing can overflow (checked
+in O((Tq + Tk) head_dim)); any other (b, h) computes every key, masked ones included,
+as torch does.
+
+Safety: each kernel checks every shape it relies on and the range of mask_index, and
+allocates its per-thread scratch once, before the parallel region: a failed allocation
+raises MemoryError (a row block never exceeds Tq, so one query against a long key
+sequence needs one row of scores per thread, not `block` rows).
+
+Dropout on P (dropout_p > 0) draws its keep/drop decisions from a counter-based hash of
+(seed, bh, i, j), so backward regenerates the same mask without storing it.
+
+BLAS: a Fortran gemm (the one microtensor.kernels._blas chose at import: oneMKL on Intel, else
+scipy's cython_blas; callable without the GIL) does the matrix products. Fortran is column-major; a row-major matrix is its transpose there, so
+`gemm` (microtensor/kernels/_common.pxd, shared with kernels/_blas.pyx) asks for C^T = op(B)^T op(A)^T:
+swap the operands, keep the flags.
+"""
+from cython.parallel cimport prange, parallel, threadid
+from libc.float cimport FLT_MAX, DBL_MAX
+cimport cython
+from microtensor.kernels._common cimport gemm, use_gemm
+
+include "_kernel_target.pxi"
+include "_fused_math.pxi"
+
+cdef unsigned long long _GOLDEN = 0x9E3779B97F4A7C15
+cdef unsigned long long _MIX1 = 0xBF58476D1CE4E5B9
+cdef unsigned long long _MIX2 = 0x94D049BB133111EB
+
+
+# ---- BLAS threads ------------------------------------------------------------------
+# The kernels call gemm from inside an OpenMP parallel region, one (b, h) per thread.
+# A pthreads-built OpenBLAS (scipy's wheels) would then start its own threads as well:
+# oversubscription, and it warns that it "may hang". So scipy's OpenBLAS is set to one
+# thread (microtensor.kernels._blas.pin_blas_threads; numpy's OpenBLAS is another library).
+# NOTE: openblas_set_num_threads_local is not per-thread in pthreads builds: not used.
+
+from microtensor.kernels._blas import pin_blas_threads, gemm_pointers
+
+_pointers = gemm_pointers()
+if CPU_RUNS_THIS_BUILD:     # use_gemm is compiled for this build's CPU (see kernels/_kernel_target.pxi)
+    use_gemm(_pointers[0], _pointers[1])    # the BLAS microtensor.kernels._blas chose
+
+
+def blas_thread_control_found():
+    """True when the BLAS threads are pinned to one (else kernels use one thread)."""
+    return pin_blas_threads()
+
+
+cdef inline double _uniform(unsigned long long seed, unsigned long long counter) noexcept nogil:
+    """A uniform number in [0, 1) from (seed, counter): the splitmix64 finaliser."""
+    cdef unsigned long long z = seed + (counter + 1) * _GOLDEN
+    z = (z ^ (z >> 30)) * _MIX1
+    z = (z ^ (z >> 27)) * _MIX2
+    z = z ^ (z >> 31)
+    return <double>(z >> 11) * (1.0 / 9007199254740992.0)
+
+
+@cython.wraparound(False)
+def attention_dropout_mask(real[:, :, ::1] keep, unsigned long long seed, double dropout_p):
+    """(BH, Tq, Tk) keep = 1/(1-p) where the kernels keep P[bh, i, j], else 0
+    (the same draws as attention_forward/backward; for tests and references)"""
+    cdef Py_ssize_t bh, i, j, BH = keep.shape[0], Tq = keep.shape[1], Tk = keep.shape[2]
+    cdef real scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
+    with nogil:
+        for bh in range(BH):
+            for i in range(Tq):
+                for j in range(Tk):
+                    if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                        keep[bh, i, j] = scale
+                    else:
+                        keep[bh, i, j] = 0
+
+
+cdef inline void _scores_block(real* S, const real* qb, const real* kb, const real* mrow0,
+                               Py_ssize_t i0, Py_ssize_t nb, Py_ssize_t kmax, Py_ssize_t Tk,
+                               int hs, real scale, bint has_mask, bint is_causal,
+                               bint full) noexcept nogil:
+    """S (nb, kmax) = scale * q[i0:i0+nb] @ k[:kmax]^T + mask[i0:i0+nb, :kmax], with the
+    causally masked entries (j > i) set to -inf (full: -inf added, as torch, so that a
+    NaN or +inf score there turns into NaN)."""
+    cdef Py_ssize_t r, j, i, ncol
+    cdef real* row
+    gemm(c'N', c'T', <int>nb, <int>kmax, hs, scale, qb, hs, kb, hs, <real>0, S, <int>kmax)
+    for r in range(nb):
+        i = i0 + r
+        row = S + r * kmax
+        ncol = imin(i + 1, Tk) if is_causal else kmax
+        if has_mask:
+            for j in range(ncol):
+                row[j] = row[j] + mrow0[i * Tk + j]
+        if full:
+            for j in range(ncol, kmax):
+                row[j] = row[j] + <real>(-INFINITY)
+        else:
+            for j in range(ncol, kmax):
+                row[j] = -INFINITY
+
+
+cdef inline double _abs_bound(const real* x, Py_ssize_t n) noexcept nogil:
+    """A bound on max |x[0:n]|: its 2-norm, sqrt(sum x^2) (row_dot's eight running sums,
+    which vectorise). NaN or inf when x holds one, or when the sum overflows: then the
+    caller takes the general path, which is only slower. (A running max and a running sum
+    of x - x, the exact test, are chains of dependent scalar operations that no compiler
+    may reorder without fast-math: they were a fifth of the forward at T = 64.)"""
+    return sqrt(row_dot(x, x, n))
+
+
+cdef inline bint _causal_needs_full(const real* q, Py_ssize_t nq, const real* k, Py_ssize_t nk,
+                                    const real* v, Py_ssize_t nv, int hs, double scale,
+                                    const real* dout, Py_ssize_t nd, int hv) noexcept nogil:
+    """True when a masked entry of this (b, h) could be NaN in torch's computation, which
+    adds -inf to the masked scores and then multiplies by their zero probabilities: a
+    score that is NaN or overflows (from q, k), 0 * inf in P @ v (an inf in v), and in
+    backward (dout given) 0 * inf in P^T @ dout and in rowsum(P * dP), dP = dout @ v^T.
+    Then every key is computed, as torch does (see top)."""
+    cdef double limit = 0.25 * (FLT_MAX if real is float else DBL_MAX)
+    cdef double sc = scale if scale >= 0 else -scale
+    cdef double mv = _abs_bound(v, nv), md
+    if not (_abs_bound(q, nq) * _abs_bound(k, nk) * hs * (sc if sc > 1 else 1.0) < limit):
+        return True
+    if not (mv < limit):
+        return True
+    if dout != NULL:
+        md = _abs_bound(dout, nd)
+        if not (md < limit and md * mv * hv < limit):
+            return True
+    return False
+
+
+cdef inline bint _has_nan(const real* x, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t j
+    for j in range(n):
+        if x[j] != x[j]:
+            return True
+    return False
+
+
+cdef _check_attention(str kernel, Py_ssize_t BH, Py_ssize_t Tq, Py_ssize_t Tk, Py_ssize_t hs,
+                      Py_ssize_t hv, tuple k_shape, tuple v_shape, tuple mask_shape,
+                      const long long[::1] mask_index, bint has_mask, int block):
+    """The shapes the kernels rely on (bounds checks are off inside)."""
+    cdef Py_ssize_t bh
+    if k_shape != (BH, Tk, hs) or v_shape[:2] != (BH, Tk):
+        raise ValueError(f"{kernel}: q ({BH}, {Tq}, {hs}), k {k_shape} and v {v_shape} do not fit")
+    if Tq < 1 or Tk < 1 or hs < 1 or hv < 1 or block < 1:
+        raise ValueError(f"{kernel}: needs Tq, Tk, head sizes and block >= 1, got Tq={Tq}, "
+                         f"Tk={Tk}, hs={hs}, hv={hv}, block={block}")
+    if max(Tq, Tk, hs, hv, block) > 2147483647 // 2:
+        raise ValueError(f"{kernel}: sizes beyond the BLAS integer range")
+    if has_mask:
+        if mask_shape[1:] != (Tq, Tk) or mask_index.shape[0] != BH:
+            raise ValueError(f"{kernel}: mask {mask_shape} and mask_index ({mask_index.shape[0]},) "
+                             f"do not fit (expected (NM, {Tq}, {Tk}) and ({BH},))")
+        for bh in range(BH):
+            if not 0 <= mask_index[bh] < mask_shape[0]:
+                raise IndexError(f"{kernel}: mask_index {mask_index[bh]} is out of range for "
+                                 f"{mask_shape[0]} mask slabs")
+
+
+# Parallel threshold (BH * Tq * Tk * hs, the multiply-adds of q @ k^T): forward at one
+# thread, float32, causal, 0.2-0.5 ns a unit on a 2-core Intel Xeon (Sapphire Rapids
+# class; (16, 4, 32, 16) 0.42, (12, 4, 64, 32) 0.21): about 30-60 us at the bound.
+cdef double _ATTENTION_PARALLEL_MIN = 1 << 17
+
+
+@cython.wraparound(False)
+def attention_forward(real[:, :, ::1] out, real[:, ::1] rowmax, real[:, ::1] logsum,
+                      const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
+                      const real[:, :, ::1] mask, const long long[::1] mask_index,
+                      bint has_mask, bint is_causal, double scale, double dropout_p,
+                      unsigned long long seed, int block, int num_threads):
+    """q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv) -> out (BH, Tq, hv), rowmax and
+    logsum (BH, Tq):  out = softmax(S) @ v,  S = scale * q @ k^T + mask,
+    rowmax = max(S),  logsum = log(sum(exp(S - rowmax))) of each row
+
+    NOTE: a row with every key masked (every score -inf) gets P = 0 (out = 0),
+    rowmax = 0 and logsum = +inf, so that backward's exp((S - 0) - inf) is 0 there too
+    (torch also returns 0 for such rows); a row holding a NaN score gets NaN (out = NaN,
+    rowmax = logsum = NaN), as torch. A row masked by finfo.min is no such row: its
+    scores are finite, and softmax spreads it over the keys as torch does."""
+    cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
+    cdef int hs, hv
+    cdef Py_ssize_t bh, blk, i0, nb, kmax, ncol, r, i, j, rows
+    cdef real* scratch
+    cdef real* S = NULL                                  # per-thread block of scores
+    cdef real* row
+    cdef const real* mrow0
+    cdef real mx, inv
+    cdef double ssum
+    cdef real sc = <real>scale
+    cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
+    cdef bint full
+    _check_attention("attention_forward", BH, Tq, Tk, q.shape[2], v.shape[2],
+                     (k.shape[0], k.shape[1], k.shape[2]), (v.shape[0], v.shape[1], v.shape[2]), (mask.shape[0], mask.shape[1], mask.shape[2]),
+                     mask_index, has_mask, block)
+    if ((out.shape[0], out.shape[1], out.shape[2]) != (BH, Tq, v.shape[2])
+            or (rowmax.shape[0], rowmax.shape[1]) != (BH, Tq)
+            or (logsum.shape[0], logsum.shape[1]) != (BH, Tq)):
+        raise ValueError(f"attention_forward: out {(out.shape[0], out.shape[1], out.shape[2])} / "
+                         f"rowmax {(rowmax.shape[0], rowmax.shape[1])} / logsum "
+                         f"{(logsum.shape[0], logsum.shape[1])} do not fit ({BH}, {Tq}, {v.shape[2]})")
+    hs, hv = <int>q.shape[2], <int>v.shape[2]
+    num_threads = threads_for(<double>BH * Tq * Tk * hs, _ATTENTION_PARALLEL_MIN, num_threads)
+    rows = imin(block, Tq)
+    if not pin_blas_threads():      # scipy's BLAS threads out of our hands: one thread
+        num_threads = 1
+    scratch = <real*>scratch_alloc(rows * Tk * num_threads, sizeof(real))
+    try:
+        with nogil, parallel(num_threads=num_threads):
+            S = scratch + rows * Tk * threadid()
+            for bh in prange(BH, schedule="static"):
+                mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
+                full = is_causal and _causal_needs_full(&q[bh, 0, 0], Tq * hs, &k[bh, 0, 0],
+                                                        Tk * hs, &v[bh, 0, 0], Tk * hv, hs, scale,
+                                                        NULL, 0, hv)
+                for blk in range((Tq + block - 1) // block):
+                    i0 = blk * block
+                    nb = imin(block, Tq - i0)
+                    kmax = imin(Tk, i0 + nb) if is_causal and not full else Tk
+                    _scores_block(S, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
+                                  sc, has_mask, is_causal, full)
+                    for r in range(nb):                       # softmax of each row, in place
+                        i = i0 + r
+                        row = S + r * kmax
+                        # keys row i may see (those beyond hold -inf, or NaN when full)
+                        ncol = imin(i + 1, Tk) if is_causal and not full else kmax
+                        mx = row_max(row, ncol)
+                        if mx == -INFINITY:                   # all masked, or NaN
+                            if _has_nan(row, ncol):
+                                for j in range(kmax):
+                                    row[j] = NAN
+                                rowmax[bh, i] = NAN
+                                logsum[bh, i] = NAN
+                            else:
+                                for j in range(kmax):
+                                    row[j] = 0
+                                rowmax[bh, i] = 0
+                                logsum[bh, i] = INFINITY
+                            continue
+                        ssum = row_exp_sum(row, row, ncol, mx)
+                        for j in range(ncol, kmax):
+                            row[j] = 0
+                        inv = <real>(1.0 / ssum)
+                        for j in range(ncol):
+                            row[j] = row[j] * inv
+                        rowmax[bh, i] = mx
+                        logsum[bh, i] = <real>log(ssum)
+                        if dropout_p > 0:
+                            for j in range(ncol):
+                                if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                                    row[j] = row[j] * keep_scale
+                                else:
+                                    row[j] = 0
+                    # out[i0:i0+nb] = P (nb, kmax) @ v[:kmax] (kmax, hv)
+                    gemm(c'N', c'N', <int>nb, hv, <int>kmax, <real>1, S, <int>kmax, &v[bh, 0, 0], hv,
+                         <real>0, &out[bh, i0, 0], hv)
+    finally:
+        free(scratch)
+
+
+@cython.wraparound(False)
+def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv,
+                       const real[:, :, ::1] dout,
+                       const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
+                       const real[:, ::1] rowmax, const real[:, ::1] logsum,
+                       const real[:, :, ::1] mask, const long long[::1] mask_index,
+                       bint has_mask, bint is_causal, double scale, double dropout_p,
+                       unsigned long long seed, int block, int num_threads,
+                       real[:, :, ::1] dmask=None):
+    """dout (BH, Tq, hv) -> dq (BH, Tq, hs) written, dk (BH, Tk, hs) and dv (BH, Tk, hv)
+    accumulated (+=; the caller zeroes them), and, when given, dmask (BH, Tq, Tk) written
+    (the gradient of the additive mask, dS before the scale):
+    P = exp((S - rowmax) - logsum) (recomputed),  Pd = P * dropout_keep,  dv += Pd^T @ dout,
+    dP = (dout @ v^T) * dropout_keep,  dS = P * (dP - rowsum(P * dP)),
+    dq = scale * dS @ k,  dk += scale * dS^T @ q,  dmask = dS"""
+    cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
+    cdef int hs, hv
+    cdef Py_ssize_t bh, blk, i0, nb, kmax, r, i, j, rows, per_thread
+    cdef bint full, want_dmask = dmask is not None
+    cdef real* dmrow
+    cdef real ds
+    cdef real* scratch
+    cdef real* P = NULL                                  # per-thread blocks: P, dP -> dS,
+    cdef real* dP = NULL                                 # and P after dropout
+    cdef real* Pd = NULL
+    cdef real* prow
+    cdef real* dprow
+    cdef real* pdrow
+    cdef const real* mrow0
+    cdef real m, l, D
+    cdef real sc = <real>scale
+    cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
+    _check_attention("attention_backward", BH, Tq, Tk, q.shape[2], v.shape[2],
+                     (k.shape[0], k.shape[1], k.shape[2]), (v.shape[0], v.shape[1], v.shape[2]), (mask.shape[0], mask.shape[1], mask.shape[2]),
+                     mask_index, has_mask, block)
+    if ((dq.shape[0], dq.shape[1], dq.shape[2]) != (q.shape[0], q.shape[1], q.shape[2]) or (dk.shape[0], dk.shape[1], dk.shape[2]) != (k.shape[0], k.shape[1], k.shape[2])
+            or (dv.shape[0], dv.shape[1], dv.shape[2]) != (v.shape[0], v.shape[1], v.shape[2])
+            or (dout.shape[0], dout.shape[1], dout.shape[2]) != (BH, Tq, v.shape[2]) or (rowmax.shape[0], rowmax.shape[1]) != (BH, Tq)
+            or (logsum.shape[0], logsum.shape[1]) != (BH, Tq)):
+        raise ValueError("attention_backward: dq, dk, dv, dout, rowmax or logsum do not fit q, k, v")
+    if want_dmask and (dmask.shape[0], dmask.shape[1], dmask.shape[2]) != (BH, Tq, Tk):
+        raise ValueError(f"attention_backward: dmask must be ({BH}, {Tq}, {Tk}), got "
+                         f"{(dmask.shape[0], dmask.shape[1], dmask.shape[2])}")
+    hs, hv = <int>q.shape[2], <int>v.shape[2]
+    num_threads = threads_for(<double>BH * Tq * Tk * hs, _ATTENTION_PARALLEL_MIN, num_threads)
+    rows = imin(block, Tq)
+    per_thread = rows * Tk * (3 if dropout_p > 0 else 2)
+    if not pin_blas_threads():      # scipy's BLAS threads out of our hands: one thread
+        num_threads = 1
+    scratch = <real*>scratch_alloc(per_thread * num_threads, sizeof(real))
+    try:
+        with nogil, parallel(num_threads=num_threads):
+            P = scratch + per_thread * threadid()
+            dP = P + rows * Tk
+            Pd = dP + rows * Tk if dropout_p > 0 else P
+            for bh in prange(BH, schedule="static"):
+                mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
+                full = is_causal and _causal_needs_full(&q[bh, 0, 0], Tq * hs, &k[bh, 0, 0],
+                                                        Tk * hs, &v[bh, 0, 0], Tk * hv, hs, scale,
+                                                        &dout[bh, 0, 0], Tq * hv, hv)
+                for blk in range((Tq + block - 1) // block):
+                    i0 = blk * block
+                    nb = imin(block, Tq - i0)
+                    kmax = imin(Tk, i0 + nb) if is_causal and not full else Tk
+                    _scores_block(P, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
+                                  sc, has_mask, is_causal, full)
+                    for r in range(nb):                       # P = exp((S - m) - s), in place
+                        m = rowmax[bh, i0 + r]
+                        l = logsum[bh, i0 + r]
+                        prow = P + r * kmax
+                        for j in range(kmax):
+                            prow[j] = softmax_at(prow[j], m, l)
+                    if dropout_p > 0:
+                        for r in range(nb):
+                            i = i0 + r
+                            prow = P + r * kmax
+                            pdrow = Pd + r * kmax
+                            for j in range(kmax):
+                                if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                                    pdrow[j] = prow[j] * keep_scale
+                                else:
+                                    pdrow[j] = 0
+                    # dv[:kmax] += Pd^T (kmax, nb) @ dout[i0:i0+nb] (nb, hv)
+                    gemm(c'T', c'N', <int>kmax, hv, <int>nb, <real>1, Pd, <int>kmax,
+                         &dout[bh, i0, 0], hv, <real>1, &dv[bh, 0, 0], hv)
+                    # dP (nb, kmax) = dout[i0:i0+nb] @ v[:kmax]^T
+                    gemm(c'N', c'T', <int>nb, <int>kmax, hv, <real>1, &dout[bh, i0, 0], hv,
+                         &v[bh, 0, 0], hv, <real>0, dP, <int>kmax)
+                    for r in range(nb):                       # dS = scale * P * (dP - D), in place
+                        i = i0 + r
+                        prow = P + r * kmax
+                        dprow = dP + r * kmax
+                        if dropout_p > 0:
+                            for j in range(kmax):
+                                if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
+                                    dprow[j] = dprow[j] * keep_scale
+                                else:
+                                    dprow[j] = 0
+                        D = <real>row_dot(prow, dprow, kmax)
+                        if want_dmask:
+                            dmrow = &dmask[bh, i, 0]
+                            for j in range(kmax):
+                                ds = prow[j] * (dprow[j] - D)
+                                dmrow[j] = ds
+                                dprow[j] = sc * ds
+                            for j in range(kmax, Tk):
+                                dmrow[j] = 0
+                        else:
+                            for j in range(kmax):
+                                dprow[j] = sc * prow[j] * (dprow[j] - D)
+                    # dq[i0:i0+nb] = dS (nb, kmax) @ k[:kmax] (kmax, hs)
+                    gemm(c'N', c'N', <int>nb, hs, <int>kmax, <real>1, dP, <int>kmax, &k[bh, 0, 0], hs,
+                         <real>0, &dq[bh, i0, 0], hs)
+                    # dk[:kmax] += dS^T (kmax, nb) @ q[i0:i0+nb] (nb, hs)
+                    gemm(c'T', c'N', <int>kmax, hs, <int>nb, <real>1, dP, <int>kmax, &q[bh, i0, 0], hs,
+                         <real>1, &dk[bh, 0, 0], hs)
+    finally:
+        free(scratch)

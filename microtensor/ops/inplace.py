@@ -1,0 +1,91 @@
+"""In-place forms of the Python-written ops (t.masked_fill_(m, v), t.scatter_(...)).
+
+The core's engine records no graph for in-place changes, so these follow its rule for
+them: allowed where autograd is not watching (no_grad, or a tensor that does not require
+grad; torch's usual use: initialising, masking logits in generate), and refused with a
+RuntimeError where the gradient would otherwise come out silently wrong. The change goes
+through copy_, which bumps the version counter so a saved tensor changed later is caught.
+"""
+import numpy as np
+
+import microtensor.core._core as _core
+from microtensor.core._core import wrap
+from microtensor.ops import extra as ops_extra
+from microtensor.ops import index as ops_index
+
+
+def _guard(self, op):
+    if _core.is_grad_enabled() and self.requires_grad:
+        raise RuntimeError(f"{op}: an in-place change of a tensor that requires grad is not "
+                           f"recorded by autograd here; use the out-of-place "
+                           f"{op.rstrip('_')}() (or work under mt.no_grad())")
+
+
+def _inplace(name, fn):
+    """`t.name_(...)`: fn(t, ...) computed without a graph, written back into t."""
+    def method(self, *args, **kwargs):
+        _guard(self, name)
+        with _core.no_grad():
+            out = fn(self, *args, **kwargs)
+        if tuple(out.shape) != tuple(self.shape):
+            raise RuntimeError(f"{name}: the result has shape {tuple(out.shape)}, but the "
+                               f"tensor has shape {tuple(self.shape)}")
+        return self.copy_(out)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"In place: t.{name}(...) writes {name.rstrip('_')}(t, ...) into t."
+    return method
+
+
+_OUT_OF_PLACE = {
+    "masked_fill_": _core.masked_fill, "scatter_": ops_index.scatter,
+    "scatter_add_": ops_index.scatter_add, "index_fill_": ops_index.index_fill,
+    "index_add_": ops_index.index_add, "pow_": _core.pow, "relu_": _core.relu,
+    "sigmoid_": _core.sigmoid, "tanh_": _core.tanh, "exp_": _core.exp, "log_": _core.log,
+    "sqrt_": _core.sqrt, "abs_": _core.abs, "neg_": _core.neg, "sin_": ops_extra.sin,
+    "cos_": ops_extra.cos, "floor_": ops_extra.floor, "ceil_": ops_extra.ceil,
+    "round_": ops_extra.round, "trunc_": ops_extra.trunc, "sign_": ops_extra.sign,
+    "reciprocal_": ops_extra.reciprocal, "square_": ops_extra.square,
+    "clamp_min_": ops_extra.clamp_min, "clamp_max_": ops_extra.clamp_max,
+    "cumsum_": ops_extra.cumsum, "lerp_": ops_extra.lerp, "log1p_": ops_extra.log1p,
+    "expm1_": ops_extra.expm1, "rsqrt_": ops_extra.rsqrt,
+}
+
+
+def fill_diagonal_(self, fill_value, wrap=False):
+    """The main diagonal of a 2-D (or all-equal-sized) tensor set to fill_value."""
+    _guard(self, "fill_diagonal_")
+    a = self._data
+    if a.ndim < 2 or (a.ndim > 2 and len(set(a.shape)) != 1):
+        raise RuntimeError("fill_diagonal_: all dimensions of input must be of equal length "
+                           "(or the tensor 2-D)")
+    out = np.array(a, copy=True)
+    np.fill_diagonal(out, fill_value, wrap=wrap)
+    return self.copy_(_wrap_array(out))
+
+
+def _wrap_array(array):
+    return wrap(array)
+
+
+def apply_(self, callable):
+    """Each element replaced by callable(element) (slow, as in torch; no graph)."""
+    _guard(self, "apply_")
+    flat = self._data.reshape(-1)
+    out = np.array([callable(v.item()) for v in flat], dtype=self._data.dtype)
+    return self.copy_(wrap(out.reshape(self._data.shape)))
+
+
+def share_memory_(self):
+    """A no-op: there is one process's memory to share."""
+    return self
+
+
+def data_ptr(self):
+    """The address of the first element."""
+    return int(self._data.ctypes.data)
+
+
+TENSOR_METHODS = [(name, _inplace(name, fn)) for name, fn in _OUT_OF_PLACE.items()] + [
+    ("fill_diagonal_", fill_diagonal_), ("apply_", apply_), ("share_memory_", share_memory_),
+    ("data_ptr", data_ptr),
+]

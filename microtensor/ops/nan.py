@@ -1,0 +1,70 @@
+"""Elementwise ops that treat NaN as a missing value: fmax and fmin.
+
+`maximum(a, b)` gives NaN when either side is NaN; `fmax(a, b)` gives the other side,
+and NaN only where both are NaN (numpy's and torch's fmax). These two ops are the worked
+example of docs/ADDING_AN_OP.md: each is one rule (a Node with its backward, and the
+same rule in differentiable ops for create_graph=True), one registry line, and one
+line in the op table of tests/test_ops.py.
+"""
+import numpy as np
+
+import microtensor.core._core as _core
+from microtensor.core._core import Node, Tensor, wrap, needs_graph, attach, register_op
+from microtensor.ops.extra import declare_saved
+from microtensor.autograd.graph_rules import _sum_to
+
+
+class FmaxBackward(Node):
+    """y = fmax(a, b);  da = g where a was taken (a >= b, or b is NaN),  db = g elsewhere"""
+
+    def backward(self, g):
+        g = np.asarray(g)
+        zero = np.zeros((), dtype=g.dtype)
+        da = _core.sum_to_shape(np.where(self.took_a, g, zero), self.a_shape)
+        db = _core.sum_to_shape(np.where(self.took_a, zero, g), self.b_shape)
+        return (da.astype(self.a_dtype, copy=False), db.astype(self.b_dtype, copy=False))
+
+    def create_graph(self, g):
+        """The same rule in differentiable ops, for gradients of gradients."""
+        took_a, zero = wrap(self.took_a), _core.zeros_like(g)
+        da = _sum_to(_core.where(took_a, g, zero), self.a_shape)
+        db = _sum_to(_core.where(took_a, zero, g), self.b_shape)
+        return (da, db)
+
+
+declare_saved(FmaxBackward)     # backward reads its own mask, not the inputs
+
+
+def _fmax_like(input, other, take_larger):
+    for t, what in ((input, "input"), (other, "other")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{'fmax' if take_larger else 'fmin'}(): {what} must be a Tensor, "
+                            f"got {type(t).__name__}")
+    a, b = input._data, other._data
+    try:
+        out = np.fmax(a, b) if take_larger else np.fmin(a, b)
+    except ValueError:
+        raise _core.ShapeError(f"{'fmax' if take_larger else 'fmin'}: shapes {a.shape} and "
+                               f"{b.shape} cannot be broadcast together") from None
+    y = wrap(out)
+    if needs_graph((input, other)) and out.dtype.kind == "f":
+        node = FmaxBackward()
+        with np.errstate(invalid="ignore"):
+            node.took_a = ((a >= b) if take_larger else (a <= b)) | np.isnan(b)
+        node.a_shape, node.b_shape, node.a_dtype, node.b_dtype = a.shape, b.shape, a.dtype, b.dtype
+        attach(y, node, (input, other))
+    return y
+
+
+def fmax(input, other):
+    """Elementwise max that ignores NaN: NaN only where both are NaN"""
+    return _fmax_like(input, other, True)
+
+
+def fmin(input, other):
+    """Elementwise min that ignores NaN: NaN only where both are NaN"""
+    return _fmax_like(input, other, False)
+
+
+register_op("fmax", fmax)
+register_op("fmin", fmin)
