@@ -98,36 +98,18 @@ def numel(t):
     return t.numel()
 
 
-# -- PyTorch's wider surface: functions written in Python (also Tensor methods) ---------
-from microtensor.ops.extra import (
-    sin, cos, tan, asin, acos, atan, sinh, cosh, asinh, atanh, arcsin, arccos, arctan,
-    log1p, expm1, exp2, log2, log10, rsqrt, reciprocal, square, erf, erfc, erfinv, logit,
-    frac, sign, sgn, floor, ceil, trunc, fix, round, clamp_min, clamp_max, float_power,
-    xlogy, lerp, addmm, cumsum, cumprod, prod, logcumsumexp, any, all, count_nonzero,
-    isclose, allclose, equal, isinf, isposinf, isneginf, logical_xor, is_floating_point,
-    is_nonzero, nonzero, argwhere, unique, bincount, histc, std_mean, var_mean, atan2,
-    arctan2, fmod, nan_to_num, cummax, cummin, median, unique_consecutive,
-)
-from microtensor.ops.creation_extra import (
-    eye, logspace, as_tensor, randn_like, rand_like, randint_like, empty_like, tril_indices,
-    triu_indices, bernoulli, normal, poisson,
-)
-from microtensor.ops.index import (
-    gather, take_along_dim, take, scatter, scatter_add, index_add, index_fill, tensor_split,
-    rot90, masked_select, sort, argsort, msort,
-    topk, kthvalue, flip, fliplr, flipud, roll, repeat_interleave, tile, narrow, select,
-    unbind, movedim, moveaxis, swapaxes, swapdims, t, diagonal, diag, trace,
-)
-from microtensor.ops.creation_extra import (
-    broadcast_shapes, broadcast_to, broadcast_tensors, atleast_1d, atleast_2d, hstack,
-    vstack, column_stack, meshgrid,
-)
-from microtensor.ops.linalg import (
-    einsum, mm, bmm, mv, dot, vdot, inner, outer, ger, baddbmm, tensordot, norm, dist, cdist,
-    cross, kron,
-)
+# -- PyTorch's wider surface: the op families written in Python, every module of ops/
+# (a new family file too: nothing to add here). Importing a family runs its registry rows
+# (at the bottom of each file), which make its mt.<name> functions and Tensor methods;
+# the registry is the only list of them.
+import importlib as _importlib  # noqa: E402
+import pkgutil as _pkgutil  # noqa: E402
+from microtensor import ops  # noqa: E402
+for _family in sorted(m.name for m in _pkgutil.iter_modules(ops.__path__)):
+    if not _family.startswith("_"):
+        _importlib.import_module(f"microtensor.ops.{_family}")
+del _importlib, _pkgutil, _family
 true_divide = div
-from microtensor.ops import nan as ops_nan  # noqa: E402,F401  (its registry rows: mt.fmax, mt.fmin)
 from microtensor.capture import compile  # noqa: E402  (mt.compile: capture and replay)
 from microtensor import compiler  # noqa: E402
 from microtensor import linalg, backends, amp, cuda
@@ -136,20 +118,10 @@ from microtensor.core.dialect import (
     is_inference_mode_enabled, set_float32_matmul_precision, get_float32_matmul_precision,
     use_deterministic_algorithms, are_deterministic_algorithms_enabled,
 )
-from microtensor.core import dialect as _dialect
-_dialect.register_tensor_methods()
-del _dialect
 
 
-# the ops written in Python: the profiler times them and mt.compile records them
+# the ops written in Python: the profiler times them and mt.compile records them (the
+# families' rows say which modules; mt.linalg's functions are labelled "linalg.")
 from microtensor.ops import _intercept  # noqa: E402
-from microtensor.ops import extra as _m1  # noqa: E402
-from microtensor.ops import creation_extra as _m2
-from microtensor.ops import index as _m3
-from microtensor.ops import linalg as _m4
-from microtensor.ops import inplace as _m5
-from microtensor.ops import compare as _m6
-for _module in (_m1, _m2, _m3, _m4, _m5, _m6, ops_nan):
-    _intercept.register_ops(_module, "")
 _intercept.register_ops(linalg, "linalg.")
-del _module, _m1, _m2, _m3, _m4, _m5, _m6
+

@@ -179,15 +179,9 @@ def _resolve(section, dotted):
     if section == "Tensor":
         if dotted in mt.Tensor.__dict__ or any(dotted in k.__dict__ for k in mt.Tensor.__mro__):
             return getattr(mt.Tensor, dotted, True)
-        registered = getattr(mt.core._core, "registered_tensor_methods", lambda: [])()
-        if dotted not in registered:
-            return None
-        from microtensor.core.dialect import method_modules
-        for module in method_modules():
-            found = dict(module.TENSOR_METHODS).get(dotted)
-            if found is not None:
-                return found
-        return True
+        rows = {row.name: row for row in mt.core._core.registered_ops()}
+        row = rows.get(dotted)
+        return None if row is None or row.method is None else row.method
     obj = {"torch": mt, "F": mt.nn.functional, "nn": mt.nn, "optim": mt.optim}[section]
     for part in dotted.split("."):
         try:

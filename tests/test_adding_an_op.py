@@ -1,7 +1,9 @@
 """docs/ADDING_AN_OP.md is followed, not just read: its code blocks are the repository's
-code verbatim, and the rule and registry lines it shows, renamed to a new op, make a
-working op (mt.<op>, t.<op>, gradients to second order) in a fresh process."""
-import json
+code verbatim, and the rule and registry row it shows, renamed to a new op and saved as a
+new family file of microtensor/ops/ (nothing else changed), make a working op in a fresh
+process: mt.<op>, t.<op>, its row and class, gradients to second order, a profiler line
+and a replayed mt.compile plan."""
+import os
 import re
 import subprocess
 import sys
@@ -40,7 +42,7 @@ def test_the_walkthrough_shows_all_three_steps():
     rule = "\n".join(code for path, code in tagged_blocks() if path == EXAMPLE)
     for piece in ("class FmaxBackward(Node):", "def backward(self, g):",
                   "def create_graph(self, g):", "declare_saved(FmaxBackward)",
-                  "needs_graph(", "attach(", 'register_op("fmax", fmax)'):
+                  "needs_graph(", "attach(", 'register_op("fmax", fmax, kind="pointwise")'):
         assert piece in rule, f"the walkthrough's code lost {piece!r}"
 
 
@@ -52,24 +54,28 @@ def renamed(code):
     return re.sub(r"(?<![.\w])fmin\b", "fmin_walkthrough", code)
 
 
-# Runs in a child: the parent's microtensor must not get the new rows.
+# Runs in a child: the parent's microtensor must not get the new rows. The child only
+# imports microtensor: the package finds the new family file by itself.
 CHILD = r'''
-import json, sys, types
+import importlib, sys
 import numpy as np
 import microtensor as mt
 from microtensor.autograd.higher_order import rule_for
+from microtensor.profiler import Profiler
 
-module = types.ModuleType("walkthrough_op")
-sys.modules["walkthrough_op"] = module
-exec(compile(json.loads(sys.argv[1]), "<ADDING_AN_OP.md>", "exec"), module.__dict__)
+family = "microtensor.ops." + sys.argv[1]
+assert family in sys.modules, "the package did not import the new family file"
+module = sys.modules[family]
 fmax_walkthrough, Backward = module.fmax_walkthrough, module.FmaxWalkthroughBackward
 
-# the registry line made the function, the method and the row
+# the registry row made the function, the method and the row, with its class
 assert mt.fmax_walkthrough is fmax_walkthrough, "mt.fmax_walkthrough is not the function"
 assert mt.Tensor.__dict__["fmax_walkthrough"] is fmax_walkthrough, "no method in the class"
-rows = {row.name: row for row in mt.registered_ops()}
-assert rows["fmax_walkthrough"].module == "walkthrough_op", rows["fmax_walkthrough"]
+rows = {row.name: row for row in mt.ops.registry()}
+assert rows["fmax_walkthrough"].module == family, rows["fmax_walkthrough"]
 assert rows["fmax_walkthrough"].function is fmax_walkthrough
+assert rows["fmax_walkthrough"].kind == "pointwise"
+assert "fmax_walkthrough" in [row.name for row in mt.ops.registry("pointwise")]
 
 # forward: numpy's fmax, NaN included, as a method and as a function, broadcasting
 rng = np.random.default_rng(7)
@@ -111,9 +117,27 @@ except RuntimeError as error:
 else:
     raise SystemExit("the version check did not fire for mul: the contrast proves nothing")
 
+# the profiler times it, as a function and as a method
+with Profiler() as prof:
+    mt.fmax_walkthrough(x, y)
+    x.fmax_walkthrough(y)
+calls = {op: n for _, op, n, _ in prof.summary()[0]}
+assert calls.get("fmax_walkthrough") == 2, calls
+
+# mt.compile records it and replays it: the plan shows it, the numbers are eager's
+step = mt.compile(lambda p, q: (p.fmax_walkthrough(q) * q).sum())
+eager = (x.fmax_walkthrough(y) * y).sum().item()
+for _ in range(3):
+    got = step(x, y).item()
+assert got == eager, (got, eager)
+assert step.plan is not None and "fmax_walkthrough" in str(step.plan), step.plan
+x.grad = None
+step(x, y).backward()
+np.testing.assert_allclose(x.grad.numpy(), np.where(x.numpy() >= y.numpy(), y.numpy(), 0.0))
+
 # one op, one row
 try:
-    mt.register_op("fmax_walkthrough", fmax_walkthrough)
+    mt.register_op("fmax_walkthrough", fmax_walkthrough, kind="pointwise")
 except ValueError:
     pass
 else:
@@ -123,11 +147,21 @@ print("walkthrough ok")
 
 
 def test_following_the_walkthrough_makes_a_working_op(tmp_path):
+    """The walkthrough's code, renamed, saved as a new family file next to ops/nan.py (in
+    the microtensor this test imports, installed or built in place), and removed after."""
     code = "\n\n".join(renamed(code) for path, code in tagged_blocks() if path == EXAMPLE)
-    assert 'register_op("fmax_walkthrough", fmax_walkthrough)' in code
+    assert 'register_op("fmax_walkthrough", fmax_walkthrough, kind="pointwise")' in code
     assert "class FmaxWalkthroughBackward(Node):" in code
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(code)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    family = f"walkthrough_{os.getpid()}"
+    path = Path(mt.ops.__file__).parent / f"{family}.py"
+    path.write_text(code, encoding="utf-8")
+    try:
+        r = subprocess.run([sys.executable, "-c", CHILD, family], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        path.unlink()
+        for cached in (path.parent / "__pycache__").glob(f"{family}.*"):
+            cached.unlink()
     assert r.returncode == 0, f"following docs/ADDING_AN_OP.md failed:\n{r.stdout}\n{r.stderr}"
     assert "walkthrough ok" in r.stdout
 

@@ -145,13 +145,19 @@ SMOOTH = set("""
     reshape_as roll rot90 scatter scatter_add select sigmoid sin sinh softmax split square
     squeeze stack sub sum swapaxes swapdims t take take_along_dim tan tanh tensor_split tile
     trace transpose tril triu type_as unbind unsqueeze var vdot view view_as ger
-""".split())
+    atleast_1d atleast_2d broadcast_tensors column_stack hstack vstack meshgrid einsum
+    tensordot var_mean
+""".split()) | {
+    "std_mean",     # std's kink (a constant input) is KINKS' std_constant
+    "cdist",        # the norm's kink at 0 is KINKS' norm_at_0 and dist_at_0
+}
 NO_GRADIENT = set("""
     all allclose any argmax argmin argsort argwhere bernoulli bincount count_nonzero data_ptr
     eq equal floor_divide ge gt histc is_contiguous is_floating_point is_nonzero isclose
     isfinite isinf isnan isneginf isposinf le logical_and logical_not logical_or
     logical_xor lt ne new_empty new_full new_ones new_zeros nonzero share_memory_ unique
-    unique_consecutive
+    unique_consecutive as_tensor empty_like eye logspace rand_like randint_like randn_like
+    normal poisson tril_indices triu_indices broadcast_shapes
 """.split())
 # the registry name each KINKS row tests (rows named otherwise: the op before the "_")
 COVERS = {"clamp_only_min": "clamp", "clamp_only_max": "clamp", "clamp_tensor_bounds": "clamp",

@@ -218,7 +218,6 @@ KNOWN_CIRCLES = [
     {"microtensor.nn._activations_fn", "microtensor.nn._attention_fn",
      "microtensor.nn._losses_fn", "microtensor.nn._normalization_fn",
      "microtensor.nn.functional", "microtensor.nn.functional_extra"},
-    {"microtensor", "microtensor.runtime.buildinfo", "microtensor.nn", "microtensor.nn.parallel"},
 ]
 
 

@@ -146,7 +146,8 @@ def test_free_memory_at_the_heaps_top_is_kept_up_to_the_trim_threshold():
     mib = 2
     count = 3 * (DOC_TRIM // (mib << 20))
     got = rss_after_free(mib, count, "none")
-    assert got["peak"] >= count * (mib << 20)
+    # blocks under the mmap threshold may reuse heap the import freed before `base`
+    assert got["peak"] >= count * (mib << 20) - SLACK
     assert got["after"] <= DOC_TRIM + SLACK, got
 
 

@@ -5,6 +5,8 @@ import operator
 import re
 from pathlib import Path
 
+import os
+
 import numpy as np
 import pytest
 
@@ -117,22 +119,22 @@ def test_an_operator_calls_its_rows_function(row, monkeypatch):
 
 def test_register_op_refuses_a_name_that_is_not_an_identifier():
     with pytest.raises(ValueError, match="identifier"):
-        mt.register_op("not a name", lambda t: t)
+        mt.register_op("not a name", lambda t: t, kind="pointwise")
 
 
 def test_register_op_refuses_a_function_that_is_not_callable():
     with pytest.raises(TypeError, match="callable"):
-        mt.register_op("registry_test_not_callable", 3)
+        mt.register_op("registry_test_not_callable", 3, kind="pointwise")
 
 
 def test_register_op_refuses_a_name_registered_already():
     with pytest.raises(ValueError, match="registered already"):
-        mt.register_op("add", lambda a, b: a)
+        mt.register_op("add", lambda a, b: a, kind="pointwise")
 
 
 def test_register_op_refuses_a_name_tensor_has_already():
     with pytest.raises(ValueError, match="already has an attribute"):
-        mt.register_op("shape", lambda t: t)
+        mt.register_op("shape", lambda t: t, kind="pointwise")
     assert isinstance(mt.tensor([1.0, 2.0]).shape, tuple)
 
 
@@ -148,6 +150,8 @@ REFUSALS = {
     "registered already": lambda mp: ("add", (lambda a, b: a), {}),
     "a Tensor attribute": lambda mp: ("shape", (lambda t: t), {}),
     "an mt name taken": _clash_with_an_mt_name,
+    "no kind": lambda mp: ("registry_test_refused", (lambda t: t), {"kind": None}),
+    "a kind not in KINDS": lambda mp: ("registry_test_refused", (lambda t: t), {"kind": "elementwise"}),
 }
 
 
@@ -160,10 +164,56 @@ def test_a_refused_row_leaves_no_trace(reason, monkeypatch):
     before_method = mt.Tensor.__dict__.get(name)
     before_mt = getattr(mt, name, None)
     with pytest.raises((ValueError, TypeError)):
-        mt.register_op(name, function, **kwargs)
+        mt.register_op(name, function, **{"kind": "pointwise", **kwargs})
     assert [(r.name, r.function, r.method) for r in mt.registered_ops()] == before_rows
     assert mt.Tensor.__dict__.get(name) is before_method
     assert getattr(mt, name, None) is before_mt
+
+
+def test_register_op_needs_a_kind():
+    with pytest.raises(TypeError, match="kind"):
+        mt.register_op("registry_test_no_kind", lambda t: t)
+    assert "registry_test_no_kind" not in [r.name for r in mt.ops.registry()]
+
+
+# ---- the op classes: every row has one, and mt.ops.registry(kind) lists them -------------
+
+EXPECTED_KIND = {"add": "pointwise", "exp": "pointwise", "sum": "reduction", "cumsum": "reduction",
+                 "reshape": "shape", "cat": "shape", "gather": "index", "getitem": "index",
+                 "matmul": "matmul", "mm": "matmul", "softmax": "fused", "eye": "creation",
+                 "new_zeros": "creation", "bernoulli": "random", "masked_fill_": "inplace",
+                 "fmax": "pointwise"}
+
+
+def test_every_row_has_a_kind_and_the_kinds_partition_the_registry():
+    rows = mt.ops.registry()
+    assert all(row.kind in mt.ops.KINDS for row in rows)
+    by_kind = [row.name for kind in mt.ops.KINDS for row in mt.ops.registry(kind)]
+    assert sorted(by_kind) == sorted(row.name for row in rows)
+    kinds = {row.name: row.kind for row in rows}
+    for name, kind in EXPECTED_KIND.items():
+        assert kinds[name] == kind, (name, kinds[name])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        mt.ops.registry("elementwise")
+
+
+def test_the_registry_is_the_only_list_of_ops():
+    """No hand list of Tensor methods is left in the package: every method the registry
+    installed has its row, and every Python-written mt.<op> is a row's function."""
+    root = os.path.dirname(os.path.abspath(mt.__file__))
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith((".py", ".pyx", ".pxi")):
+                text = open(os.path.join(folder, name), encoding="utf-8").read()
+                assert "TENSOR_METHODS" not in text, os.path.join(folder, name)
+    rows = {row.name: row for row in mt.ops.registry()}
+    for name in mt.core._core.registered_tensor_methods():
+        assert rows[name].method is mt.Tensor.__dict__[name]
+    for module in (mt.ops.extra, mt.ops.compare, mt.ops.index, mt.ops.linalg):
+        for name, obj in vars(module).items():
+            if callable(obj) and getattr(obj, "__module__", None) == module.__name__ \
+                    and getattr(mt, name, None) is obj and not isinstance(obj, type):
+                assert name in rows, f"mt.{name} has no registry row"
 
 
 # ---- every core op with a gradient has a line in the op table of test_ops.py ----------

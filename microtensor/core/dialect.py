@@ -1,6 +1,5 @@
 """PyTorch's global switches, as a torch script calls them: default dtype, print
-options, inference mode, matmul precision. Also where the Python-written ops become
-Tensor methods (`register_tensor_methods`, run once at import)."""
+options, inference mode, matmul precision."""
 import numpy as np
 
 import microtensor.core._core as _core
@@ -8,7 +7,7 @@ import microtensor.core._core as _core
 __all__ = ["set_default_dtype", "get_default_dtype", "set_printoptions", "inference_mode",
            "is_inference_mode_enabled", "set_float32_matmul_precision",
            "get_float32_matmul_precision", "use_deterministic_algorithms",
-           "are_deterministic_algorithms_enabled", "register_tensor_methods"]
+           "are_deterministic_algorithms_enabled"]
 
 
 # ---- default dtype ---------------------------------------------------------------------
@@ -137,33 +136,4 @@ def use_deterministic_algorithms(mode, warn_only=False):
 
 def are_deterministic_algorithms_enabled():
     return _deterministic
-
-
-# ---- Tensor methods written in Python ------------------------------------------------------
-
-def method_modules():
-    """The modules whose TENSOR_METHODS become Tensor methods."""
-    from microtensor.ops import extra as ops_extra
-    from microtensor.ops import creation_extra as ops_creation
-    from microtensor.ops import index as ops_index
-    from microtensor.ops import linalg as ops_linalg
-    from microtensor.ops import inplace as ops_inplace
-    return (ops_extra, ops_creation, ops_index, ops_linalg, ops_inplace)
-
-
-def register_tensor_methods():
-    """Register every TENSOR_METHODS entry of the ops_* modules with the core, so that
-    `t.cumsum(0)` calls `ops_extra.cumsum(t, 0)`. A name the compiled Tensor already has
-    keeps the core's method."""
-    register = getattr(_core, "register_tensor_method", None)
-    if register is None:
-        return []
-    done = []
-    for module in method_modules():
-        for name, fn in module.TENSOR_METHODS:
-            if name in _core.Tensor.__dict__:
-                continue
-            register(name, fn)
-            done.append(name)
-    return done
 

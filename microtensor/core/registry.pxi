@@ -17,32 +17,49 @@ cdef extern from "Python.h":
     void PyType_Modified(PyTypeObject* type)
 
 
+# The op classes a row names: what the capture and the compiler read to know what an op
+# does to its operands' elements.
+KINDS = ("pointwise",   # each output element from the same-index input elements
+         "reduction",   # fewer elements out, over some dims (sum, cumsum, sort's values)
+         "shape",       # the same elements, another shape or order (views, cat, flip)
+         "index",       # elements chosen by an index (gather, scatter, nonzero)
+         "matmul",      # products over a shared dim (matmul, mm, einsum)
+         "fused",       # several of the above in one kernel (softmax, layer_norm)
+         "creation",    # new tensors from shapes or values (eye, zeros_like)
+         "random",      # draws from a generator (bernoulli, normal)
+         "inplace")     # changes its tensor (masked_fill_, exp_)
+
+
 class OpRow:
     """One registered op: `function` is `mt.<name>` (when `export`), `method` is what
     `t.<name>(...)` calls with t first (None: no method), `operator` the symbol Python
-    spells it with, `module` where the rule lives."""
-    __slots__ = ("name", "function", "method", "operator", "export", "module")
+    spells it with, `kind` its class (one of KINDS), `module` where its rule lives."""
+    __slots__ = ("name", "function", "method", "operator", "export", "module", "kind")
 
-    def __init__(self, name, function, method, operator, export, module):
+    def __init__(self, name, function, method, operator, export, module, kind):
         self.name, self.function, self.method = name, function, method
         self.operator, self.export, self.module = operator, export, module
+        self.kind = kind
 
     def __repr__(self):
         extra = f", operator {self.operator!r}" if self.operator else ""
-        return f"<op {self.name} from {self.module}{extra}>"
+        return f"<op {self.name} ({self.kind}) from {self.module}{extra}>"
 
 
 cdef dict _registry = {}
 
 
-def register_op(name, function, method=True, operator=None, export=True):
-    """Register the op `name`: `mt.name` is `function` (unless export=False), and
-    `t.name(*args)` calls `method(t, *args)` (method=True: the function itself, whose
-    first argument is the tensor; a callable: that callable, for ops whose method takes
-    its arguments in another order; False: no method). Returns `function`, so it also
-    works as a decorator's body."""
+def register_op(name, function, method=True, operator=None, export=True, *, kind):
+    """Register the op `name` of class `kind` (one of KINDS): `mt.name` is `function`
+    (unless export=False), and `t.name(*args)` calls `method(t, *args)` (method=True: the
+    function itself, whose first argument is the tensor; a callable: that callable, for
+    ops whose method takes its arguments in another order; False: no method). Returns
+    `function`, so it also works as a decorator's body."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"register_op: the name must be an identifier, got {name!r}")
+    if kind not in KINDS:
+        raise ValueError(f"register_op({name!r}): kind must be one of {', '.join(KINDS)}; "
+                         f"got {kind!r}")
     if not callable(function):
         raise TypeError(f"register_op({name!r}): the function must be callable, "
                         f"got {type(function).__name__}")
@@ -65,8 +82,20 @@ def register_op(name, function, method=True, operator=None, export=True):
     module = getattr(function, "__module__", None) or "microtensor.core._core"
     if export:
         _export(name, function)
-    _registry[name] = OpRow(name, function, method, operator, bool(export), module)
+    _registry[name] = OpRow(name, function, method, operator, bool(export), module, kind)
     return function
+
+
+def register_ops(kind, namespace, names, method=True, export=True):
+    """One row of class `kind` for each op in `names` (separated by spaces), each the
+    function of that name in `namespace` (the family module's globals()): the block a
+    family written in Python closes with. `method` and `export` as for register_op."""
+    if not isinstance(names, str):
+        raise TypeError(f"register_ops: names must be a string of names, got {type(names).__name__}")
+    for name in names.split():
+        if name not in namespace:
+            raise KeyError(f"register_ops({kind!r}): no function {name!r} in the namespace given")
+        register_op(name, namespace[name], method=method, export=export, kind=kind)
 
 
 cdef _check_export(str name, object function):
@@ -96,15 +125,18 @@ cdef _install_method(str name, object fn):
     PyType_Modified(<PyTypeObject*>Tensor)
 
 
-def registered_ops():
-    """The registered ops, in the order they were registered."""
-    return list(_registry.values())
+def registered_ops(kind=None):
+    """The registered ops, in the order they were registered (those of class `kind` only,
+    when given)."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"registered_ops: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    return [row for row in _registry.values() if kind is None or row.kind == kind]
 
 
-def register_tensor_method(name, fn):
+def register_tensor_method(name, fn, *, kind):
     """A Tensor method that is not an `mt.` function (`t.new_zeros`, `t.masked_fill_`):
     a registry row with export=False."""
-    return register_op(name, fn, export=False)
+    return register_op(name, fn, export=False, kind=kind)
 
 
 def registered_tensor_methods():

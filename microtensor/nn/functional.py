@@ -14,7 +14,7 @@ module per family and are imported here: activations and softmax in
 `_activations_fn.py`, layer_norm and rms_norm in `_normalization_fn.py`, the losses in
 `_losses_fn.py`, attention in `_attention_fn.py`, the shared helpers in
 `_functional_common.py`, and the rest of torch.nn.functional in `functional_extra.py`
-and `rope.py`. Every op and node counts as this module's (its `__module__`), as before.
+and `rope.py`.
 """
 import math
 
@@ -222,22 +222,10 @@ from microtensor.nn._attention_fn import (  # noqa: E402
     AttentionBackward, scaled_dot_product_attention,
 )
 
-# The ops, their nodes and DtypeError are F's wherever their code sits: torch-style
-# names in tracebacks, the create-graph rules (keyed "microtensor.nn.functional.
-# SoftmaxBackward", ...) and the profiler (which times the functions defined here, as
-# "F.<name>") all read __module__.
-for _obj in (DtypeError, relu, sigmoid, tanh, SoftmaxBackward, LogSoftmaxBackward, softmax,
-             log_softmax, GeluBackward, gelu, SiluBackward, silu, LayerNormBackward,
-             layer_norm, RMSNormBackward, rms_norm, CrossEntropyBackward, cross_entropy,
-             nll_loss, MSELossBackward, mse_loss, AttentionBackward,
-             scaled_dot_product_attention):
-    _obj.__module__ = __name__
-del _obj
-
 # mt.softmax and t.softmax(dim) are these same ops: their registry rows sit here, beside
 # the kernels they run (the core has no softmax of its own)
-_core.register_op("softmax", softmax)
-_core.register_op("log_softmax", log_softmax)
+_core.register_op("softmax", softmax, kind="fused")
+_core.register_op("log_softmax", log_softmax, kind="fused")
 
 # pad, one_hot, the other losses and activations, normalize, batch_norm
 from microtensor.nn.functional_extra import *  # noqa: E402,F401,F403

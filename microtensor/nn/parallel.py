@@ -34,8 +34,8 @@ import contextlib
 
 import numpy as np
 
-import microtensor as mt
 from microtensor import distributed as dist
+from microtensor.core._core import Tensor, from_numpy, is_grad_enabled
 from microtensor.nn.module import Module
 
 __all__ = ["DistributedDataParallel"]
@@ -44,7 +44,7 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 def _has_post_accumulate_hooks():
-    return hasattr(mt.Tensor, "register_post_accumulate_grad_hook")
+    return hasattr(Tensor, "register_post_accumulate_grad_hook")
 
 
 class _Bucket:
@@ -137,7 +137,7 @@ class DistributedDataParallel(Module):
 
     # -- the wrapped module ----------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self.world_size > 1 and mt.is_grad_enabled():
+        if self.world_size > 1 and is_grad_enabled():
             self._check_previous_sync()
             if self._sync_enabled:
                 self._arm()
@@ -202,13 +202,13 @@ class DistributedDataParallel(Module):
                 return None
             g = grad.numpy()
             if param.grad is None:
-                param.grad = mt.from_numpy(np.array(g, dtype=param.dtype, copy=True))
+                param.grad = from_numpy(np.array(g, dtype=param.dtype, copy=True))
             else:
                 gd = param.grad.numpy()
                 if gd.flags.writeable:
                     np.add(gd, g, out=gd, casting="unsafe")
                 else:
-                    param.grad = mt.from_numpy((gd + g).astype(param.dtype))
+                    param.grad = from_numpy((gd + g).astype(param.dtype))
             self._grad_ready(param)
             return np.broadcast_to(np.zeros((), dtype=g.dtype), g.shape)
         return hook
@@ -267,7 +267,7 @@ class DistributedDataParallel(Module):
                 if gd.flags.writeable and gd.dtype == mean.dtype:
                     np.copyto(gd, mean)
                 else:
-                    p.grad = mt.from_numpy(mean.astype(p.dtype, copy=True))
+                    p.grad = from_numpy(mean.astype(p.dtype, copy=True))
 
     def extra_repr(self):
         return (f"world_size={self.world_size}, buckets={len(self._buckets)}, "

@@ -2,8 +2,9 @@
 record them) both do.
 
 `patch_ops(wrapper_for)` replaces each op function by `wrapper_for(label, fn)`: the
-public functions of microtensor.core._core, those of the modules registered with
-`register_ops` (nn registers nn.functional as "F."), the references other microtensor
+public functions of microtensor.core._core, those of the modules the registry's rows come
+from (the op families written in Python), those of the modules registered with
+`register_ops` (nn registers nn.functional and its family modules as "F."), the references other microtensor
 and models modules took with `from ... import op`, and the Tensor methods the op
 registry installed (t.exp() reaches the op without a module lookup). Operators need
 nothing more: `a + b` calls the module-level `add` of the core. `unpatch` puts every
@@ -38,6 +39,18 @@ def register_ops(module, prefix):
         _op_modules.append((module, prefix))
 
 
+def _row_modules():
+    """(module, "") for each module outside the core that registry rows come from (the op
+    families written in Python), unless registered with a prefix of its own."""
+    taken = {m.__name__ for m, _ in _op_modules}
+    found = []
+    for row in _core.registered_ops():
+        if row.module != _core.__name__ and row.module not in taken and row.module in sys.modules:
+            taken.add(row.module)
+            found.append((sys.modules[row.module], ""))
+    return found
+
+
 def _is_function(obj):
     return callable(obj) and not isinstance(obj, type) and (
         type(obj).__name__ in ("function", "cython_function_or_method",
@@ -58,7 +71,7 @@ def op_functions(skip=CREATION_AND_STATE):
         if getattr(obj, "__module__", "microtensor.core._core") != "microtensor.core._core":
             continue
         ops[name] = (_core, name, obj)
-    for module, prefix in _op_modules:
+    for module, prefix in _op_modules + _row_modules():
         for name, obj in vars(module).items():
             if name.startswith("_") or not _is_function(obj):
                 continue

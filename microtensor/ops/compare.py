@@ -1,15 +1,14 @@
 """PyTorch's reductions and comparisons that have no gradient: any, all, count_nonzero,
 isclose, allclose, equal, isinf, isposinf, isneginf, logical_xor, is_floating_point,
 is_nonzero, nonzero, argwhere, unique, bincount, histc. Each reads the values and returns
-a new tensor (or a Python value), never a graph node. Their Tensor methods are registered
-from ops_extra's TENSOR_METHODS.
+a new tensor (or a Python value), never a graph node. Their registry rows close the file.
 """
 import builtins
 
 import numpy as np
 
 from microtensor.core import _core
-from microtensor.core._core import wrap
+from microtensor.core._core import wrap, register_ops
 from microtensor.ops._common import _tensor, _dim, _dims, _float, _array
 
 
@@ -150,3 +149,11 @@ def histc(input, bins=100, min=0, max=0):
         raise RuntimeError(f"histc: max ({hi}) must be larger than min ({lo})")
     counts, _ = np.histogram(a[(a >= lo) & (a <= hi)], bins=bins, range=(lo, hi))
     return wrap(counts.astype(a.dtype))
+
+
+# ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
+
+register_ops("pointwise", globals(), "isclose isinf isposinf isneginf logical_xor")
+register_ops("reduction", globals(), """
+    any all count_nonzero allclose equal is_floating_point is_nonzero bincount histc""")
+register_ops("index", globals(), "nonzero argwhere unique")

@@ -5,7 +5,7 @@ forms) from the core's generator, so mt.manual_seed makes them reproducible."""
 import numpy as np
 
 import microtensor.core._core as _core
-from microtensor.core._core import Tensor, wrap
+from microtensor.core._core import Tensor, wrap, register_ops
 from microtensor.ops._common import _tensor, _array
 
 
@@ -282,9 +282,19 @@ def meshgrid(*tensors, indexing="ij"):
     return tuple(out)
 
 
-TENSOR_METHODS = [
-    (name, globals()[name]) for name in (
-        "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "type_as", "half",
-        "bernoulli", "bernoulli_", "exponential_", "random_", "broadcast_to",
-    )
-]
+# ---- the registry rows -----------------------------------------------------------------
+
+register_ops("creation", globals(), """
+    eye logspace as_tensor randn_like rand_like randint_like empty_like tril_indices
+    triu_indices""", method=False)
+register_ops("random", globals(), "normal poisson", method=False)
+register_ops("random", globals(), "bernoulli")
+register_ops("shape", globals(), "broadcast_to")
+register_ops("shape", globals(), """
+    broadcast_shapes broadcast_tensors atleast_1d atleast_2d hstack vstack column_stack
+    meshgrid""", method=False)
+# Tensor methods only (torch has no function of these names)
+register_ops("creation", globals(), "new_zeros new_ones new_empty new_full new_tensor",
+             export=False)
+register_ops("pointwise", globals(), "type_as half", export=False)
+register_ops("random", globals(), "bernoulli_ exponential_ random_", export=False)

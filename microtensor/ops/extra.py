@@ -7,7 +7,7 @@ the core's differentiable primitives where that is cheap, or is a small Node wit
 backward under its forward (cumsum, cumprod).
 
 Every name here is an `mt.` function; those that torch also has as Tensor methods are
-registered as methods by `TENSOR_METHODS` at the bottom (see `register_methods`).
+registered as methods by the registry rows at the bottom (`register_ops`).
 """
 import math
 import sys
@@ -16,7 +16,7 @@ import numpy as np
 import scipy.special
 
 import microtensor.core._core as _core
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
 from microtensor.autograd.graph_rules import _sum_to, _through_primitives
 
 _LN2 = math.log(2.0)
@@ -516,13 +516,6 @@ def logcumsumexp(input, dim):
     return y if y is not t else _core.add(t, 0.0)
 
 
-# ---- reductions and comparisons without gradients: ops/compare.py ----------------------
-from microtensor.ops.compare import (  # noqa: E402,F401
-    any, all, count_nonzero, isclose, allclose, equal, isinf, isposinf, isneginf, logical_xor,
-    is_floating_point, is_nonzero, nonzero, argwhere, unique, bincount, histc,
-)
-
-
 def std_mean(input, dim=None, keepdim=False, correction=1):
     return _core.std(input, dim, keepdim, correction), _core.mean(input, dim, keepdim)
 
@@ -531,20 +524,14 @@ def var_mean(input, dim=None, keepdim=False, correction=1):
     return _core.var(input, dim, keepdim, correction), _core.mean(input, dim, keepdim)
 
 
-# ---- registered as Tensor methods (t.name(...) calls fn(t, ...)) -----------------------
+# ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
 
-TENSOR_METHODS = [
-    (name, globals()[name]) for name in (
-        "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "atanh",
-        "arcsin", "arccos", "arctan", "log1p", "expm1", "exp2", "log2", "log10", "reciprocal",
-        "erf", "erfc", "erfinv", "logit", "frac", "sign", "sgn", "floor", "ceil", "trunc",
-        "fix", "round", "clamp_min", "clamp_max", "float_power", "xlogy", "lerp", "addmm",
-        "rsqrt", "square", "cumsum", "cumprod", "prod", "logcumsumexp", "all", "any",
-        "count_nonzero", "isclose",
-        "allclose", "equal", "isinf", "isposinf", "isneginf", "logical_xor",
-        "is_floating_point", "is_nonzero", "nonzero", "argwhere", "unique", "bincount",
-        "histc", "atan2", "arctan2", "fmod", "nan_to_num", "cummax", "cummin", "median",
-        "unique_consecutive",
-    )
-]
+register_ops("pointwise", globals(), """
+    sin cos tan asin acos atan sinh cosh asinh atanh arcsin arccos arctan log1p expm1 exp2
+    log2 log10 reciprocal erf erfc erfinv logit frac sign sgn floor ceil trunc fix round
+    clamp_min clamp_max float_power xlogy lerp rsqrt square atan2 arctan2 fmod nan_to_num""")
+register_ops("matmul", globals(), "addmm")
+register_ops("reduction", globals(), "cumsum cumprod prod logcumsumexp cummax cummin median")
+register_ops("index", globals(), "unique_consecutive")
+register_ops("reduction", globals(), "std_mean var_mean", method=False)
 # softplus is F.softplus (torch has no Tensor method of that name)

@@ -10,7 +10,7 @@ import builtins
 import numpy as np
 
 import microtensor.core._core as _core
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
 from microtensor.autograd.graph_rules import _wants, add_at as _add_at
 from microtensor.ops._common import _tensor, _dim, _dims, _array, declare_saved
 
@@ -558,12 +558,13 @@ def trace(input):
     return _core.sum(diagonal(x))
 
 
-TENSOR_METHODS = [
-    (name, globals()[name]) for name in (
-        "gather", "take_along_dim", "take", "scatter", "scatter_add", "index_add", "index_fill",
-        "tensor_split", "rot90", "masked_select", "sort",
-        "argsort", "msort", "topk", "kthvalue", "flip", "fliplr", "flipud", "roll", "repeat",
-        "tile", "repeat_interleave", "narrow", "select", "unbind", "movedim", "moveaxis",
-        "swapaxes", "swapdims", "t", "diagonal", "diag", "trace",
-    )
-]
+# ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
+
+register_ops("index", globals(), """
+    gather take_along_dim take scatter scatter_add index_add index_fill masked_select
+    diagonal diag""")
+register_ops("reduction", globals(), "sort argsort msort topk kthvalue trace")
+register_ops("shape", globals(), """
+    tensor_split rot90 flip fliplr flipud roll tile repeat_interleave narrow select unbind
+    movedim moveaxis swapaxes swapdims t""")
+register_ops("shape", globals(), "repeat", export=False)    # torch has no torch.repeat

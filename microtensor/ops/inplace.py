@@ -9,7 +9,7 @@ through copy_, which bumps the version counter so a saved tensor changed later i
 import numpy as np
 
 import microtensor.core._core as _core
-from microtensor.core._core import wrap
+from microtensor.core._core import wrap, register_op, register_ops
 from microtensor.ops import extra as ops_extra
 from microtensor.ops import index as ops_index
 
@@ -85,7 +85,10 @@ def data_ptr(self):
     return int(self._data.ctypes.data)
 
 
-TENSOR_METHODS = [(name, _inplace(name, fn)) for name, fn in _OUT_OF_PLACE.items()] + [
-    ("fill_diagonal_", fill_diagonal_), ("apply_", apply_), ("share_memory_", share_memory_),
-    ("data_ptr", data_ptr),
-]
+# ---- the registry rows: Tensor methods only ----------------------------------------------
+
+for _name, _fn in _OUT_OF_PLACE.items():
+    register_op(_name, _inplace(_name, _fn), export=False, kind="inplace")
+del _name, _fn
+register_ops("inplace", globals(), "fill_diagonal_ apply_ share_memory_", export=False)
+register_ops("shape", globals(), "data_ptr", export=False)    # where the elements sit

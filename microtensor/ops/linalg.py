@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 import microtensor.core._core as _core
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
 from microtensor.autograd.graph_rules import _keepdim, _const
 from microtensor.ops._common import _tensor, _dim, _dims, _float, declare_saved
 from microtensor.ops.index import diagonal
@@ -425,8 +425,10 @@ def cdist(x1, x2, p=2.0):
     return vector_norm(diff, p, dim=-1)
 
 
-TENSOR_METHODS = [
-    ("mm", mm), ("bmm", bmm), ("mv", mv), ("dot", dot), ("vdot", vdot), ("inner", inner),
-    ("outer", outer), ("ger", ger), ("baddbmm", baddbmm), ("norm", norm), ("dist", dist),
-    ("cross", cross), ("kron", kron),
-]
+# ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
+
+register_ops("matmul", globals(), "mm bmm mv dot vdot inner outer ger baddbmm kron")
+register_ops("matmul", globals(), "einsum tensordot", method=False)
+register_ops("reduction", globals(), "norm dist")
+register_ops("reduction", globals(), "cdist", method=False)
+register_ops("pointwise", globals(), "cross")

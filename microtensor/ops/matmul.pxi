@@ -131,4 +131,4 @@ declare_saved(MatmulBackward, 0, 1)
 
 
 # the registry row of this file (core/registry.pxi)
-register_op("matmul", matmul, operator="@")
+register_op("matmul", matmul, operator="@", kind="matmul")

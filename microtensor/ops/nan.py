@@ -10,7 +10,7 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.core._core import Node, Tensor, wrap, needs_graph, attach, register_op
-from microtensor.ops.extra import declare_saved
+from microtensor.ops._common import declare_saved
 from microtensor.autograd.graph_rules import _sum_to
 
 
@@ -66,5 +66,5 @@ def fmin(input, other):
     return _fmax_like(input, other, False)
 
 
-register_op("fmax", fmax)
-register_op("fmin", fmin)
+register_op("fmax", fmax, kind="pointwise")
+register_op("fmin", fmin, kind="pointwise")

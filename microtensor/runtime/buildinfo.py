@@ -16,6 +16,7 @@ Every line comes from `config()`, a dict, which the benchmarks print in their he
 and record in their JSON. Nothing here changes a setting.
 """
 import os
+import sys
 import platform
 
 from microtensor.threads import OMP_DEFAULTS, omp_settings
@@ -89,14 +90,14 @@ def gemm_blas():
 
 def config():
     """Everything show_config() prints, as a dict."""
-    import microtensor as mt
+    from microtensor.core._core import get_num_threads
     from microtensor.threads import default_num_threads, physical_cores, _allowed_cpus
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
     return {
-        "version": mt.__version__,
+        "version": sys.modules["microtensor"].__version__,   # the package is imported: we are in it
         "cpu": cpu_model(),
         "vendor": cpu_vendor(),
         "logical_cpus": os.cpu_count(),
@@ -106,7 +107,7 @@ def config():
         "blas": blas(),
         "gemm": gemm_blas(),
         "malloc": dict(_malloc_state()),
-        "threads": mt.get_num_threads(),
+        "threads": get_num_threads(),
         "default_threads": default_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "openmp_wait": omp_settings(),
