@@ -63,13 +63,13 @@ def main(argv=None):
     cfg = C.CONFIGS[args.config]
     ops = cases(mt, F, cfg["batch_size"] * cfg["block_size"], cfg["n_embd"], args.vocab,
                 cfg["n_head"], cfg["block_size"])
-    loaded = (F._fused, F._attention)
+    loaded = (F._kernels.fused, F._kernels.attention)
     rows, record = [], {"bench": "kernels", "machine": info, "config": args.config, "ops": {}}
     try:
         for op, fn in ops.items():
             def with_build(pair, fn=fn):
                 def run():
-                    F._fused, F._attention = pair
+                    F._kernels.fused, F._kernels.attention = pair
                     fn()
                 return run
             times = C.alternate({n: with_build(pair) for n, pair in builds.items()},
@@ -80,7 +80,7 @@ def main(argv=None):
                         [f"{med[widest] / med.get('avx2', med[widest]):.2f}"])
             record["ops"][op] = med
     finally:
-        F._fused, F._attention = loaded
+        F._kernels.fused, F._kernels.attention = loaded
     print(f"\n## fused kernels, forward + backward, 1 thread, us per call (median of "
           f"{args.repeats}); last column: the widest build / avx2\n")
     print(C.table(["op"] + list(builds) + ["widest / avx2"], rows))

@@ -36,7 +36,7 @@ def _kernels():
     from microtensor.core import _core
     from microtensor.nn import functional as F
     from microtensor.optim import _adamw
-    fused = F._fused
+    fused = F._kernels.fused
     f32 = np.float32
     rng = np.random.default_rng(0)
 

@@ -40,7 +40,7 @@ def test_the_walkthrough_shows_all_three_steps():
     paths = [path for path, _ in tagged_blocks()]
     assert EXAMPLE in paths and "tests/test_ops.py" in paths
     rule = "\n".join(code for path, code in tagged_blocks() if path == EXAMPLE)
-    for piece in ("class FmaxBackward(Node):", "def backward(self, g):",
+    for piece in ("class FmaxBackward(DifferentiableRule):",
                   "def create_graph(self, g):", "declare_saved(FmaxBackward)",
                   "needs_graph(", "attach(", 'register_op("fmax", fmax, kind="pointwise")'):
         assert piece in rule, f"the walkthrough's code lost {piece!r}"
@@ -93,8 +93,7 @@ assert mt.fmax_walkthrough(mt.tensor(a), mt.tensor(b)).grad_fn is None, "a node 
 assert rule_for(Backward) is not None, "no create-graph rule"
 assert mt.autograd.gradcheck(lambda p, q: p.fmax_walkthrough(q), [x, y])
 assert mt.autograd.gradgradcheck(lambda p, q: mt.fmax_walkthrough(p, q), [x, y])
-# gradgradcheck differentiates the create-graph rule against itself; its values must
-# also be backward's
+# the one rule gives the same values recording or not (first order and create_graph)
 u = mt.tensor(rng.standard_normal((3, 4)), requires_grad=True)   # so the gradient has a graph
 plain = mt.autograd.grad(x.fmax_walkthrough(y), [x, y], u)
 graphed = mt.autograd.grad(x.fmax_walkthrough(y), [x, y], u, create_graph=True)
@@ -151,7 +150,8 @@ def test_following_the_walkthrough_makes_a_working_op(tmp_path):
     the microtensor this test imports, installed or built in place), and removed after."""
     code = "\n\n".join(renamed(code) for path, code in tagged_blocks() if path == EXAMPLE)
     assert 'register_op("fmax_walkthrough", fmax_walkthrough, kind="pointwise")' in code
-    assert "class FmaxWalkthroughBackward(Node):" in code
+    assert "class FmaxWalkthroughBackward(DifferentiableRule):" in code
+    assert "def backward" not in code          # the rule is written once
     family = f"walkthrough_{os.getpid()}"
     path = Path(mt.ops.__file__).parent / f"{family}.py"
     path.write_text(code, encoding="utf-8")

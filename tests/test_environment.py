@@ -46,7 +46,7 @@ print(json.dumps({
     "grandchild_changed": sorted(k for k in before.keys() | grandchild.keys()
                                  if before.get(k) != grandchild.get(k)),
     "malloc": _malloc.state, "blas": _blas.blas_choice(),
-    "kernels": F._fused.__name__, "attention": F._attention.__name__,
+    "kernels": F._kernels.fused.__name__, "attention": F._kernels.attention.__name__,
     "threads": mt.get_num_threads(),
     "warnings": [str(w.message) for w in caught]}))
 """

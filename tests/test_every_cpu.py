@@ -70,7 +70,7 @@ for name, fused, attention, runs_here in common.KERNEL_BUILDS:
                     refused += "compiled for CPUs with" in str(e)
             report["refused"][module_name] = [refused, len(public)]
 
-report["chosen"] = [F._fused.__name__, F._attention.__name__]
+report["chosen"] = [F._kernels.fused.__name__, F._kernels.attention.__name__]
 report["config"] = mt.config()["build"]
 lines = []
 import io, contextlib

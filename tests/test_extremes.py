@@ -35,8 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _builds():
     """The kernel builds to run: the one loaded (the widest the CPU runs) first, then
     every other build this CPU runs (the same source, compiled up to three times)."""
-    return [("loaded", F._fused, F._attention)] + [
-        b for b in kernel_builds_here() if b[1] is not F._fused]
+    return [("loaded", F._kernels.fused, F._kernels.attention)] + [
+        b for b in kernel_builds_here() if b[1] is not F._kernels.fused]
 
 
 # dtype and kernel build: float32 with each build, float64 (libm's exp in both) once
@@ -47,8 +47,8 @@ VARIANTS = [pytest.param(np.float32, b, id=f"float32-{b[0]}") for b in _builds()
 @pytest.fixture
 def use_build(monkeypatch):
     def use(build):
-        monkeypatch.setattr(F, "_fused", build[1])
-        monkeypatch.setattr(F, "_attention", build[2])
+        monkeypatch.setattr(F._kernels, "fused", build[1])
+        monkeypatch.setattr(F._kernels, "attention", build[2])
     return use
 
 

@@ -487,20 +487,70 @@ ONCE_DIFFERENTIABLE = set()
 
 def test_every_node_keeps_its_rule_beside_its_backward():
     """Every node type of the package, the core's Cython nodes and the Python ones,
-    defines create_graph in its own class body, next to backward."""
+    defines its create-graph rule in its own class body, next to backward: create_graph
+    itself, or, for a fused op (FusedNode), the composite of primitives it is derived from."""
     import importlib
     import microtensor.core._core as core
+    from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
     nodes = dict(_python_nodes())
+    for base in (DifferentiableRule, FusedNode):
+        nodes.pop(f"{base.__module__}.{base.__qualname__}")
     for name in dir(core):
         cls = getattr(core, name)
         if isinstance(cls, type) and issubclass(cls, core.Node) and cls is not core.Node \
                 and "backward" in vars(cls):
             nodes[f"microtensor.core._core.{name}"] = cls
     assert len(nodes) > 40, sorted(nodes)             # the walk found the op modules
-    missing = sorted(n for n, cls in nodes.items()
-                     if "create_graph" not in vars(cls) and n not in ONCE_DIFFERENTIABLE)
+
+    def has_rule(cls):
+        if issubclass(cls, FusedNode):
+            return "composite" in vars(cls) and "backward" in vars(cls)
+        return "create_graph" in vars(cls)
+    missing = sorted(n for n, cls in nodes.items() if not has_rule(cls) and n not in ONCE_DIFFERENTIABLE)
     assert not missing, f"nodes without a create_graph rule beside their backward: {missing}"
     for module, cls in (("microtensor.core._core", "AddBackward"), ("microtensor.core._core", "UnaryBackward"),
-                        ("microtensor.nn._activations_fn", "GeluBackward"),
                         ("microtensor.ops.index", "ScatterBackward")):
         assert "create_graph" in vars(getattr(importlib.import_module(module), cls)), cls
+    assert "composite" in vars(importlib.import_module("microtensor.nn._activations_fn").GeluBackward)
+
+
+# The Python nodes that still write a derivative twice (a first-order backward and a
+# create_graph rule), each with its reason; a new one must be a DifferentiableRule (the
+# rule written once) or a FusedNode (a kernel with its composite declared).
+TWO_BODIES = {
+    # they read the saved output y, as PyTorch's do, so that x may change in place after
+    # the forward pass; a composite would read x again
+    "microtensor.nn._activations_fn.SoftmaxBackward", "microtensor.nn._activations_fn.LogSoftmaxBackward",
+    # its rule is the derivative of log_softmax with weights, ignore_index and label
+    # smoothing, on the saved log-probabilities
+    "microtensor.nn._losses_fn.CrossEntropyBackward",
+    # one derivative per op in _UNARY, written once over arrays or tensors (ops/extra.py)
+    "microtensor.ops.extra.PointwiseBackward",
+    # autograd.Function's machinery, not an op
+    "microtensor.autograd.function.FunctionBackward", "microtensor.autograd.function.FunctionOutputBackward",
+    "microtensor.autograd.function._FunctionNode",
+    "microtensor.autograd.higher_order.NotDifferentiableTwiceBackward",
+}
+
+
+def test_the_math_of_each_python_node_is_written_once():
+    """A Python node either writes its rule once (DifferentiableRule: create_graph only,
+    first order runs it with grad off), or is a fused kernel with its composite declared
+    (FusedNode: no create_graph of its own), or is listed in TWO_BODIES with its reason."""
+    from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
+    nodes = {n: c for n, c in _python_nodes().items() if c not in (DifferentiableRule, FusedNode)
+             and ("backward" in vars(c) or "create_graph" in vars(c) or "composite" in vars(c))}
+    written_twice = []
+    for name, cls in sorted(nodes.items()):
+        if issubclass(cls, DifferentiableRule):
+            assert "backward" not in vars(cls), f"{name}: a DifferentiableRule with a backward of its own"
+        elif issubclass(cls, FusedNode):
+            assert "create_graph" not in vars(cls), f"{name}: a FusedNode with a hand-written create_graph"
+        elif name not in TWO_BODIES:
+            written_twice.append(name)
+    assert not written_twice, f"nodes whose derivative is written twice: {written_twice}"
+    assert not TWO_BODIES - set(nodes), f"TWO_BODIES lists nodes that are gone: {TWO_BODIES - set(nodes)}"
+    assert sum(issubclass(c, FusedNode) for c in nodes.values()) >= 10
+    assert sum(issubclass(c, DifferentiableRule) for c in nodes.values()) >= 8
+
+

@@ -338,7 +338,7 @@ def ref_attention(q, k, v, mask=None, causal=False, scale=None):
 @pytest.fixture
 def alloc_limit():
     """Set a scratch-allocation limit in every kernel module; restored afterwards."""
-    modules = [F._fused, F._attention]
+    modules = [F._kernels.fused, F._kernels.attention]
     def set_limit(n):
         for m in modules:
             m._set_alloc_limit(n)
@@ -758,9 +758,9 @@ class Recorder:
 def threads(monkeypatch):
     """run(fn, n): fn() with n kernel threads, the fused kernels recorded."""
     before = mt.get_num_threads()
-    fused, attention = Recorder(F._fused), Recorder(F._attention)
-    monkeypatch.setattr(F, "_fused", fused)
-    monkeypatch.setattr(F, "_attention", attention)
+    fused, attention = Recorder(F._kernels.fused), Recorder(F._kernels.attention)
+    monkeypatch.setattr(F._kernels, "fused", fused)
+    monkeypatch.setattr(F._kernels, "attention", attention)
 
     def run(fn, n):
         mt.set_num_threads(n)
@@ -1091,7 +1091,7 @@ def test_clip_grad_norm_threaded():
 # ---- kernels called directly check their arguments ----------------------------------
 
 def test_fused_kernels_refuse_mismatched_sizes():
-    K = F._fused
+    K = F._kernels.fused
     x = np.zeros((3, 4))
     with pytest.raises(ValueError, match="out"):
         K.layernorm_forward(np.zeros((3, 5)), np.zeros(3), np.zeros(3), x, np.ones(4), np.zeros(4), 1e-5, 1)
@@ -1112,7 +1112,7 @@ def test_fused_kernels_refuse_mismatched_sizes():
 
 
 def test_fused_kernels_refuse_out_of_range_indices():
-    K = F._fused
+    K = F._kernels.fused
     with pytest.raises(IndexError, match="out of range"):
         K.embedding_forward(np.zeros((2, 3)), np.array([0, 5]), np.zeros((5, 3)), 1)
     with pytest.raises(IndexError, match="out of range"):
@@ -1126,7 +1126,7 @@ def test_fused_kernels_refuse_out_of_range_indices():
 
 
 def test_attention_kernels_check_shapes_and_mask_index():
-    A = F._attention
+    A = F._kernels.attention
     q, k, v = np.zeros((2, 3, 4)), np.zeros((2, 5, 4)), np.zeros((2, 5, 6))
     out, rowmax, logsum = np.zeros((2, 3, 6)), np.zeros((2, 3)), np.zeros((2, 3))
     mask, index = np.zeros((1, 3, 5)), np.zeros(2, np.int64)
@@ -1149,7 +1149,7 @@ def test_attention_kernels_check_shapes_and_mask_index():
 def test_fused_kernels_clamp_thread_counts(n):
     x = rng.standard_normal((4, 8))
     out = np.empty_like(x)
-    F._fused.softmax_forward(out, x, n)
+    F._kernels.fused.softmax_forward(out, x, n)
     np.testing.assert_allclose(out, softmax_ref(x, x)[0], rtol=1e-12)
 
 
@@ -1300,7 +1300,7 @@ def test_kernel_builds_agree_threaded(monkeypatch):
     # CPU runs is chosen at import): every other build this CPU runs runs here too,
     # threaded, against the one that is
     from conftest import kernel_builds_here
-    others = [b for b in kernel_builds_here() if b[1] is not F._fused]
+    others = [b for b in kernel_builds_here() if b[1] is not F._kernels.fused]
     if not others:
         pytest.skip("this CPU runs one build of the kernels only (no AVX2+FMA)")
     x = rng.standard_normal((300, 257)).astype(np.float32)
@@ -1329,8 +1329,8 @@ def test_kernel_builds_agree_threaded(monkeypatch):
         chosen = run_all()
         results = []
         for name, fused_build, attention_build in others:
-            monkeypatch.setattr(F, "_fused", fused_build)
-            monkeypatch.setattr(F, "_attention", attention_build)
+            monkeypatch.setattr(F._kernels, "fused", fused_build)
+            monkeypatch.setattr(F._kernels, "attention", attention_build)
             results.append((name, run_all()))
     finally:
         mt.set_num_threads(before)

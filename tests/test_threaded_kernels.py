@@ -51,10 +51,10 @@ class _Recorder:
 @pytest.fixture
 def recorded(monkeypatch):
     before = mt.get_num_threads()
-    fused = _Recorder(F._fused, {})
-    attention = _Recorder(F._attention, {"attention_backward": 17})
-    monkeypatch.setattr(F, "_fused", fused)
-    monkeypatch.setattr(F, "_attention", attention)
+    fused = _Recorder(F._kernels.fused, {})
+    attention = _Recorder(F._kernels.attention, {"attention_backward": 17})
+    monkeypatch.setattr(F._kernels, "fused", fused)
+    monkeypatch.setattr(F._kernels, "attention", attention)
     yield fused, attention
     mt.set_num_threads(before)
 

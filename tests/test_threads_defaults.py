@@ -223,7 +223,7 @@ def test_show_config_names_cpu_build_blas_threads(capsys):
     assert cpu_model() in out and c["cpu"] == cpu_model() and c["cpu"] != "unknown CPU"
     assert f"threads        {mt.get_num_threads()} " in out
     assert c["build"]["fused_kernels"] in out and "OpenMP waiting" in out
-    assert c["build"]["fused_kernels"] == getattr(mt.nn.functional._fused, "TARGET", "baseline")
+    assert c["build"]["fused_kernels"] == getattr(mt.nn.functional._kernels.fused, "TARGET", "baseline")
     for lib in c["blas"]:
         assert lib["corename"] and lib["num_threads"] >= 1
         assert f"{lib['corename']} kernel" in out

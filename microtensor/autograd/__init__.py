@@ -20,6 +20,9 @@ __all__ = ["grad", "backward", "gradcheck", "gradgradcheck", "GradcheckError", "
 
 
 from microtensor.autograd.gradients import grad, backward  # noqa: E402
+# the engine runs each node's create-graph rule through higher_order, which registers
+# itself with the core when imported (the core imports nothing above it)
+from microtensor.autograd import higher_order  # noqa: E402,F401
 from microtensor.autograd import function  # noqa: E402
 from microtensor.autograd.function import Function, FunctionCtx, once_differentiable  # noqa: E402
 from microtensor.autograd import functional  # noqa: E402

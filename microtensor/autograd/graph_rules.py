@@ -1,4 +1,6 @@
-"""What create-graph rules share, and where the engine finds one.
+"""What create-graph rules share, and where the engine finds one; DifferentiableRule, the
+node whose one rule serves first order and create_graph alike, and FusedNode, the node of
+a fused op whose create-graph rule is its declared composite of primitives.
 
 Every node's rule is its `create_graph(self, g)` method, written beside its `backward`
 in the op's own file (ops/pointwise.pxi, nn/_activations_fn.py, ops/extra.py, ...):
@@ -10,10 +12,35 @@ differentiable scatter that is indexing's gradient), which live in the core
 which differentiates an op by running its forward again as differentiable primitives
 (the rule of the fused ops whose backward formula is long).
 """
+import numpy as np
+
 import microtensor.core._core as C
 from microtensor.core._core import (  # noqa: F401  (the helpers the rules share)
     _wants, _live, _sum_to, _keepdim, _const, IndexAddBackward, add_at,
 )
+
+
+class DifferentiableRule(C.Node):
+    """A node whose gradient is written once: `create_graph(g)`, in differentiable ops.
+    First order runs that same rule with grad recording off and hands the engine its
+    arrays (each in its input's dtype); create_graph=True runs it recording, so the
+    gradients can be differentiated again. For the ops where a numpy or Cython backward
+    is not measurably faster than the rule itself (the ops written in Python)."""
+
+    def backward(self, g):
+        with C.no_grad():
+            grads = self.create_graph(C.wrap(np.asarray(g)))
+        out = []
+        for t, r in zip(self.inputs, grads):
+            if r is None or t is None:
+                out.append(None)
+            else:
+                out.append(r._data.astype(t._data.dtype, copy=False))
+        return tuple(out)
+
+    def create_graph(self, g):
+        raise NotImplementedError(f"{type(self).__name__}: a DifferentiableRule writes its "
+                                  "gradient as create_graph(self, g)")
 
 
 def rule_for(node_type):
@@ -25,6 +52,22 @@ def rule_for(node_type):
 
 def _method_rule(node, g):
     return node.create_graph(g)
+
+
+class FusedNode(C.Node):
+    """A fused op's node: its first order is a hand-written kernel (`backward`), measurably
+    faster than differentiating the op's composite, and beside it the op is declared as
+    a plain composite of primitives, `composite(*inputs)` (the node's inputs, None where
+    absent). The composite gives the create-graph rule (the engine differentiates it, see
+    _through_primitives) and is the reference the op's tests compare the kernel against
+    (tests/test_composites.py): the derivative is never written a second time by hand."""
+
+    def create_graph(self, g):
+        return _through_primitives(self.composite, self.inputs, g)
+
+    def composite(self, *inputs):
+        raise NotImplementedError(f"{type(self).__name__}: a FusedNode declares its op as "
+                                  "composite(self, *inputs)")
 
 
 # ---- the rule written from primitives -------------------------------------------------

@@ -330,7 +330,10 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
 
     if create_graph:
         if _create_graph_rule is None:
-            import microtensor.autograd.higher_order  # registers the rule
+            # registered by microtensor.autograd.higher_order, which `import microtensor`
+            # imports (the core imports nothing above it)
+            raise RuntimeError("create_graph=True: no create-graph rule is registered; "
+                               "import microtensor (its autograd package registers it)")
         grad_outputs = [g if isinstance(g, Tensor) else Tensor._wrap(g) for g in grad_outputs]
     if inputs is not None:
         captured = {}

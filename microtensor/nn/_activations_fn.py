@@ -1,8 +1,8 @@
 """F's activations: relu, sigmoid and tanh (the core's ops under torch's names),
 softmax and log_softmax along any dim, gelu (exact or tanh) and silu; the last four
 are one fused node each, the Backward node right above its forward function.
-The kernels are read from `F._fused` at call time: F holds the build chosen when it
-was imported (and a test may swap it there).
+The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+the build chosen at import (and a test may swap it there).
 """
 import numpy as np
 
@@ -12,7 +12,8 @@ import scipy.special
 
 import microtensor.core._core as _core
 from microtensor.core._core import Node, wrap, needs_graph, attach
-from microtensor.nn import functional as F
+from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
+from microtensor.nn import _kernels
 from microtensor.nn._functional_common import (
     declare_saved, _float_array, _contig, _grad_as, _threads,
 )
@@ -57,19 +58,15 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-class NormalCdfBackward(Node):
+class NormalCdfBackward(DifferentiableRule):
     """y = Phi(x), the standard normal CDF;  dx = g * phi(x) = g * e^(-x^2/2) / sqrt(2 pi)"""
-
-    def backward(self, g):
-        x = self.x
-        return ((g * (np.exp(-0.5 * x * x) * _INV_SQRT_2PI)).astype(x.dtype, copy=False),)
 
     def create_graph(self, g):
         return (_core.mul(g, _normal_pdf(self.inputs[0])),)
 
 
 def normal_cdf(x):
-    """Phi(x) = (1 + erf(x / sqrt 2)) / 2, differentiable to any order (gelu's rule)."""
+    """Phi(x) = (1 + erf(x / sqrt 2)) / 2, differentiable to any order (in gelu's composite)."""
     out = wrap(np.asarray(scipy.special.ndtr(x._data), dtype=x._data.dtype))
     if needs_graph((x,)):
         node = NormalCdfBackward()
@@ -86,7 +83,7 @@ class SoftmaxBackward(Node):
     """y = softmax(x);  dx = y * (g - sum(g * y))   (kernel: softmax_backward)"""
 
     def backward(self, g):
-        return (_rows_backward(self, g, F._fused.softmax_backward),)
+        return (_rows_backward(self, g, _kernels.fused.softmax_backward),)
 
     def create_graph(self, g):
         """y = softmax(x);  dx = y * (g - sum(g * y))"""
@@ -101,7 +98,7 @@ class LogSoftmaxBackward(Node):
     """y = log_softmax(x);  dx = g - exp(y) * sum(g)   (kernel: log_softmax_backward)"""
 
     def backward(self, g):
-        return (_rows_backward(self, g, F._fused.log_softmax_backward),)
+        return (_rows_backward(self, g, _kernels.fused.log_softmax_backward),)
 
     def create_graph(self, g):
         """y = log_softmax(x);  dx = g - exp(y) * sum(g)"""
@@ -146,7 +143,7 @@ def _softmax_like(input, dim, dtype, log):
     rows = moved.reshape(-1, moved.shape[-1]) if moved.size else moved.reshape(0, 0)
     out = np.empty_like(rows)
     if rows.size:
-        kernel = F._fused.log_softmax_forward if log else F._fused.softmax_forward
+        kernel = _kernels.fused.log_softmax_forward if log else _kernels.fused.softmax_forward
         kernel(out, rows, _threads(rows.size))
     # NOTE: contiguous, as torch's result (so that .view works on it); a copy only when
     # dim is not the last one
@@ -168,30 +165,23 @@ def log_softmax(input, dim=None, dtype=None):
     return _softmax_like(input, dim, dtype, True)
 
 
-class GeluBackward(Node):
+class GeluBackward(FusedNode):
     """y = x * Phi(x);  dx = g * (Phi(x) + x * phi(x))   (tanh form: see gelu_tanh_backward)"""
 
     def backward(self, g):
         x = self.x
         g = _grad_as(g, x.shape, x.dtype)
         dinp = np.empty_like(x)
-        kernel = F._fused.gelu_tanh_backward if self.approximate == "tanh" else F._fused.gelu_backward
+        kernel = _kernels.fused.gelu_tanh_backward if self.approximate == "tanh" else _kernels.fused.gelu_backward
         kernel(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
         return (dinp,)
 
-    def create_graph(self, g):
-        """exact: y = x Phi(x),  dx = g (Phi(x) + x phi(x));
-        tanh: y = x (1 + t) / 2,  t = tanh(u),  u = c (x + 0.044715 x^3),
-              dx = g ((1 + t) / 2 + x (1 - t^2) c (1 + 3 * 0.044715 x^2) / 2)"""
-        x = self.inputs[0]
+    def composite(self, x):
+        """exact: y = x Phi(x);  tanh: y = x (1 + tanh(c (x + 0.044715 x^3))) / 2"""
         if self.approximate == "tanh":
-            x2 = _core.mul(x, x)
-            t = _core.tanh(_core.mul(_core.mul(x, _core.add(_core.mul(x2, 0.044715), 1.0)), _GELU_C))
-            du = _core.mul(_core.add(_core.mul(x2, 3 * 0.044715), 1.0), _GELU_C)
-            local = _core.mul(_core.add(_core.add(t, 1.0), _core.mul(_core.mul(x, _core.sub(1.0, _core.mul(t, t))), du)), 0.5)
-        else:
-            local = _core.add(normal_cdf(x), _core.mul(x, _normal_pdf(x)))
-        return (_core.mul(g, local),)
+            u = _core.mul(_core.add(x, _core.mul(_core.mul(_core.mul(x, x), x), 0.044715)), _GELU_C)
+            return _core.mul(_core.mul(x, _core.add(_core.tanh(u), 1.0)), 0.5)
+        return _core.mul(x, normal_cdf(x))
 
 
 declare_saved(GeluBackward, 0)
@@ -203,7 +193,7 @@ def gelu(input, approximate="none"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     x = _contig(_float_array(input, "gelu input"))
     out = np.empty_like(x)
-    kernel = F._fused.gelu_tanh_forward if approximate == "tanh" else F._fused.gelu_forward
+    kernel = _kernels.fused.gelu_tanh_forward if approximate == "tanh" else _kernels.fused.gelu_forward
     kernel(out.reshape(-1), x.reshape(-1), _threads(x.size))
     out = wrap(out)
     if needs_graph((input,)):
@@ -213,21 +203,19 @@ def gelu(input, approximate="none"):
     return out
 
 
-class SiluBackward(Node):
+class SiluBackward(FusedNode):
     """y = x * s(x);  dx = g * s * (1 + x * (1 - s))"""
 
     def backward(self, g):
         x = self.x
         g = _grad_as(g, x.shape, x.dtype)
         dinp = np.empty_like(x)
-        F._fused.silu_backward(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
+        _kernels.fused.silu_backward(dinp.reshape(-1), g.reshape(-1), x.reshape(-1), _threads(x.size))
         return (dinp,)
 
-    def create_graph(self, g):
-        """y = x s(x);  dx = g s (1 + x (1 - s))"""
-        x = self.inputs[0]
-        s = _core.sigmoid(x)
-        return (_core.mul(g, _core.mul(s, _core.add(_core.mul(x, _core.sub(1.0, s)), 1.0))),)
+    def composite(self, x):
+        """y = x s(x)"""
+        return _core.mul(x, _core.sigmoid(x))
 
 
 declare_saved(SiluBackward, 0)
@@ -237,7 +225,7 @@ def silu(input, inplace=False):
     """y = x * sigmoid(x)"""
     x = _contig(_float_array(input, "silu input"))
     out = np.empty_like(x)
-    F._fused.silu_forward(out.reshape(-1), x.reshape(-1), _threads(x.size))
+    _kernels.fused.silu_forward(out.reshape(-1), x.reshape(-1), _threads(x.size))
     out = wrap(out)
     if needs_graph((input,)):
         node = SiluBackward()

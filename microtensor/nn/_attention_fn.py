@@ -1,8 +1,8 @@
 """F.scaled_dot_product_attention: one fused node over blocks of query rows, with a
 bool or float mask (broadcast over batch dims without being expanded), is_causal,
 dropout and a custom scale; the Backward node sits right above the forward function.
-The kernels are read from `F._attention` at call time: F holds the build chosen when
-it was imported (and a test may swap it there).
+The kernels are read from `_kernels.attention` at call time: microtensor/nn/_kernels.py holds
+the build chosen at import (and a test may swap it there).
 """
 import math
 
@@ -10,10 +10,10 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.kernels import _fused_attention
-from microtensor.autograd.graph_rules import _through_primitives
+from microtensor.autograd.graph_rules import FusedNode
 from microtensor.nn._activations_fn import softmax
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
-from microtensor.nn import functional as F
+from microtensor.nn import _kernels
 from microtensor.nn._functional_common import (
     DtypeError, declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads,
     _wants_grad, _unbroadcast,
@@ -61,7 +61,7 @@ def _mask_slabs(m, batch, Tq, Tk):
     return slabs, np.ascontiguousarray(index).reshape(-1)
 
 
-class AttentionBackward(Node):
+class AttentionBackward(FusedNode):
     """o = P @ v,  P = softmax(scale * q @ k^T + mask);
     dv = P^T @ g,  dP = g @ v^T,  dS = P * (dP - rowsum(dP * P)),
     dq = scale * dS @ k,  dk = scale * dS^T @ q,  dmask = dS   (kernel: attention_backward)"""
@@ -82,7 +82,7 @@ class AttentionBackward(Node):
                 q = np.zeros(q.shape[:2] + (1,), q.dtype)   # one zero column, scale 0,
                 k = np.zeros(k.shape[:2] + (1,), k.dtype)   # dq and dk stay empty
                 scale, dq_k, dk_k = 0.0, np.zeros_like(q), np.zeros_like(k)
-            F._attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.rowmax,
+            _kernels.attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.rowmax,
                                           self.logsum, self.slabs, self.index, self.has_mask,
                                           self.is_causal, scale,
                                           self.dropout_p, self.seed, self.block,
@@ -100,7 +100,7 @@ class AttentionBackward(Node):
                 grads.append(None)
         return tuple(grads)
 
-    def create_graph(self, g):
+    def composite(self, q, k, v, live_mask=None):
         """(from primitives) o = dropout(softmax(scale * q @ k^T + mask)) @ v"""
         batch, Tq, Tk = self.batch, self.q.shape[1], self.k.shape[1]
         dtype = self.q.dtype
@@ -115,26 +115,24 @@ class AttentionBackward(Node):
             keep = keep.reshape(batch + (Tq, Tk))
         causal = np.tril(np.ones((Tq, Tk), dtype=bool)) if self.is_causal else None
 
-        def forward(q, k, v, live_mask=None):
-            scores = _core.mul(_core.matmul(q, _core.transpose(k, -1, -2)), self.scale)   # (..., Tq, Tk)
-            if live_mask is not None:
-                scores = _core.add(scores, live_mask)
-            elif mask is not None:
-                scores = _core.add(scores, mask)
-            if causal is not None:
-                scores = _core.where(causal, scores, -np.inf)
-            # a row with every key masked outputs zeros (the kernel's rule): give softmax a
-            # finite row there and zero its output, so no NaN reaches any derivative
-            dead = np.all(np.isneginf(scores._data), axis=-1, keepdims=True)
-            if dead.any():
-                scores = _core.where(dead, 0.0, scores)
-            p = softmax(scores, -1)
-            if dead.any():
-                p = _core.where(dead, 0.0, p)
-            if keep is not None:
-                p = _core.mul(p, keep)
-            return _core.matmul(p, v)
-        return _through_primitives(forward, self.inputs, g)
+        scores = _core.mul(_core.matmul(q, _core.transpose(k, -1, -2)), self.scale)   # (..., Tq, Tk)
+        if live_mask is not None:
+            scores = _core.add(scores, live_mask)
+        elif mask is not None:
+            scores = _core.add(scores, mask)
+        if causal is not None:
+            scores = _core.where(causal, scores, -np.inf)
+        # a row with every key masked outputs zeros (the kernel's rule): give softmax a
+        # finite row there and zero its output, so no NaN reaches any derivative
+        dead = np.all(np.isneginf(scores._data), axis=-1, keepdims=True)
+        if dead.any():
+            scores = _core.where(dead, 0.0, scores)
+        p = softmax(scores, -1)
+        if dead.any():
+            p = _core.where(dead, 0.0, p)
+        if keep is not None:
+            p = _core.mul(p, keep)
+        return _core.matmul(p, v)
 
 
 declare_saved(AttentionBackward, 0, 1, 2, 3)
@@ -195,12 +193,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     elif hs == 0:
         # an empty dot product: every score is 0 (plus the mask), as torch computes it;
         # the kernel runs on one zero column with scale 0 (no 0 * inf from 1/sqrt(0))
-        F._attention.attention_forward(out3, rowmax, logsum, np.zeros((BH, Tq, 1), q.dtype),
+        _kernels.attention.attention_forward(out3, rowmax, logsum, np.zeros((BH, Tq, 1), q.dtype),
                                      np.zeros((BH, Tk, 1), q.dtype), v3, slabs, index,
                                      attn_mask is not None, bool(is_causal), 0.0,
                                      float(dropout_p), seed, block, 1)
     else:
-        F._attention.attention_forward(out3, rowmax, logsum, q3, k3, v3, slabs, index,
+        _kernels.attention.attention_forward(out3, rowmax, logsum, q3, k3, v3, slabs, index,
                                      attn_mask is not None, bool(is_causal), scale,
                                      float(dropout_p), seed, block,
                                      min(_threads(BH * Tq * Tk * hs), BH))

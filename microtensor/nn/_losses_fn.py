@@ -1,16 +1,16 @@
 """F's losses: cross_entropy (one fused node, torch's logits/target layouts plus
 class dim last), nll_loss (from differentiable ops) and mse_loss (one node), the
 Backward node right above its forward function.
-The kernels are read from `F._fused` at call time: F holds the build chosen when it
-was imported (and a test may swap it there).
+The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+the build chosen at import (and a test may swap it there).
 """
 import numpy as np
 
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
 import microtensor.core._core as _core
-from microtensor.autograd.graph_rules import _wants, _sum_to, _const
-from microtensor.nn._activations_fn import softmax
-from microtensor.nn import functional as F
+from microtensor.autograd.graph_rules import _wants, _sum_to, _const, DifferentiableRule
+from microtensor.nn._activations_fn import softmax, log_softmax
+from microtensor.nn import _kernels
 from microtensor.core._core import ArgumentError
 from microtensor.nn._functional_common import (
     DtypeError, declare_saved, _tensor, _float_array, _contig, _owned_indices, _threads,
@@ -65,7 +65,7 @@ class CrossEntropyBackward(Node):
             dlosses = np.full(M, scale, dtype=rows.dtype)
         dlogits = np.empty_like(rows)
         if rows.size:
-            F._fused.crossentropy_backward(dlogits, dlosses, rows, self.rowmax, self.logsum,
+            _kernels.fused.crossentropy_backward(dlogits, dlosses, rows, self.rowmax, self.logsum,
                                          self.tgt, self.ignore_index, self.label_smoothing,
                                          _threads(rows.size))
         if self.how == "second":                         # (N*d, C) -> (N, C, d...)
@@ -138,7 +138,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     rowmax = np.empty(M, x.dtype)                        # each row's log-sum-exp as the
     logsum = np.empty(M, x.dtype)                        # pair (max, log-sum), never added
     if rows.size:
-        F._fused.crossentropy_forward(losses, rowmax, logsum, rows, tgt, int(ignore_index),
+        _kernels.fused.crossentropy_forward(losses, rowmax, logsum, rows, tgt, int(ignore_index),
                                     float(label_smoothing), _threads(rows.size))
     else:
         losses[:] = 0
@@ -208,7 +208,7 @@ def _cross_entropy_weighted(input, t, weight, ignore_index, reduction, label_smo
     mask = (np.expand_dims(tt, dim) == np.arange(n_classes).reshape(
         (n_classes,) + (1,) * (x.ndim - dim - 1))) & np.expand_dims(keep.reshape(out_shape), dim)
     w = _class_weight(weight, n_classes, x.ndim - dim - 1)
-    logp_w = C.mul(F.log_softmax(x, dim), w)
+    logp_w = C.mul(log_softmax(x, dim), w)
     nll = C.neg(C.sum(C.mul(logp_w, wrap(mask.astype(x.dtype))), dim))
     losses = C.mul(nll, 1.0 - label_smoothing)
     if label_smoothing > 0:
@@ -251,7 +251,7 @@ def _cross_entropy_probs(input, target, weight, reduction, label_smoothing):
     n_classes = x.shape[dim]
     if label_smoothing > 0:
         y = C.add(C.mul(y, 1.0 - label_smoothing), label_smoothing / n_classes)
-    terms = C.mul(F.log_softmax(x, dim), y)
+    terms = C.mul(log_softmax(x, dim), y)
     if weight is not None:
         terms = C.mul(terms, _class_weight(weight, n_classes, x.ndim - dim - 1))
     losses = C.neg(C.sum(terms, dim))
@@ -333,22 +333,8 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     return C.div(total, wrap(np.asarray(wk.sum(dtype=np.float64), dtype=logp.dtype)))
 
 
-class MSELossBackward(Node):
+class MSELossBackward(DifferentiableRule):
     """loss = reduce((x - y)^2);  dx = 2 (x - y) g / n,  dy = -dx"""
-
-    def backward(self, g):
-        diff = self.diff
-        # NOTE: np.asarray throughout: numpy turns 0-d results into scalars
-        if self.reduction == "none":
-            d = np.asarray(2 * diff * g)
-        else:
-            # (an empty input has an empty gradient: no division by its size of 0)
-            scale = 2 * float(g) / (max(diff.size, 1) if self.reduction == "mean" else 1)
-            d = np.asarray(diff * scale)
-        d = d.astype(diff.dtype, copy=False)
-        da = _unbroadcast(d, self.a_shape) if _wants_grad(self, 0) else None
-        db = np.asarray(0 - _unbroadcast(d, self.b_shape)) if _wants_grad(self, 1) else None
-        return (da, db)
 
     def create_graph(self, g):
         """loss = reduce((x - y)^2);  dx = 2 (x - y) g / n,  dy = -dx"""
@@ -357,7 +343,8 @@ class MSELossBackward(Node):
         if self.reduction == "none":
             d = _core.mul(_core.mul(diff, g), 2.0)
         else:
-            n = diff.numel() if self.reduction == "mean" else 1
+            # (an empty input has an empty gradient: no division by its size of 0)
+            n = max(diff.numel(), 1) if self.reduction == "mean" else 1
             d = _core.mul(diff, _core.mul(g, 2.0 / n))
         return (_sum_to(d, self.a_shape) if _wants(self, 0) else None,
                 _core.neg(_sum_to(d, self.b_shape)) if _wants(self, 1) else None)

@@ -1,17 +1,17 @@
 """F's normalisation ops, layer_norm and rms_norm over the trailing
 `normalized_shape` dims: one fused node each (forward and backward kernels over rows),
 the Backward node right above its forward function.
-The kernels are read from `F._fused` at call time: F holds the build chosen when it
-was imported (and a test may swap it there).
+The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+the build chosen at import (and a test may swap it there).
 """
 import math
 
 import numpy as np
 
-from microtensor.core._core import Node, wrap, needs_graph, attach, ShapeError
+from microtensor.core._core import wrap, needs_graph, attach, ShapeError
 import microtensor.core._core as _core
-from microtensor.autograd.graph_rules import _const, _through_primitives
-from microtensor.nn import functional as F
+from microtensor.autograd.graph_rules import _const, FusedNode
+from microtensor.nn import _kernels
 from microtensor.nn._functional_common import (
     declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads, _wants_grad,
 )
@@ -64,7 +64,7 @@ def _norm_dims(node):
     return tuple(range(nd - k, nd))
 
 
-class LayerNormBackward(Node):
+class LayerNormBackward(FusedNode):
     """y = (x - mean) * rstd * w + b;
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = g * w,
     dw = sum_rows(g * xhat),  db = sum_rows(g)     (kernel: layernorm_backward)"""
@@ -77,27 +77,24 @@ class LayerNormBackward(Node):
         dweight = _partials(R, n, x2.dtype)
         dbias = np.zeros_like(dweight)
         if x2.size:
-            F._fused.layernorm_backward(dinp, dweight, dbias, g2, x2, self.w1, self.mean,
+            _kernels.fused.layernorm_backward(dinp, dweight, dbias, g2, x2, self.w1, self.mean,
                                       self.rstd, dweight.shape[0])
         dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
         dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
         db = dbias.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 2) else None
         return (dx, dw, db)
 
-    def create_graph(self, g):
-        """(from primitives) y = (x - mean) / sqrt(var + eps) * w + b"""
+    def composite(self, x, w=None, b=None):
+        """y = (x - mean) / sqrt(var + eps) * w + b"""
         dims, eps = _norm_dims(self), _row_eps(self, self.x2, True)
-
-        def forward(x, w, b):
-            centered = _core.sub(x, _core.mean(x, dims, True))
-            var = _core.mean(_core.mul(centered, centered), dims, True)
-            y = _core.mul(centered, _core.pow(_core.add(var, eps), -0.5))
-            if w is not None:
-                y = _core.mul(y, w)
-            if b is not None:
-                y = _core.add(y, b)
-            return y
-        return _through_primitives(forward, self.inputs, g)
+        centered = _core.sub(x, _core.mean(x, dims, True))
+        var = _core.mean(_core.mul(centered, centered), dims, True)
+        y = _core.mul(centered, _core.pow(_core.add(var, eps), -0.5))
+        if w is not None:
+            y = _core.mul(y, w)
+        if b is not None:
+            y = _core.add(y, b)
+        return y
 
 
 declare_saved(LayerNormBackward, 0, 1)
@@ -120,7 +117,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     mean = np.empty(R, x.dtype)
     rstd = np.empty(R, x.dtype)
     if x2.size:
-        F._fused.layernorm_forward(out, mean, rstd, x2, w1, b1, float(eps), _threads(x2.size, memory_bound=True))
+        _kernels.fused.layernorm_forward(out, mean, rstd, x2, w1, b1, float(eps), _threads(x2.size, memory_bound=True))
     out = wrap(out.reshape(x.shape))
     inputs = (input, weight, bias)
     if needs_graph(inputs):
@@ -131,7 +128,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return out
 
 
-class RMSNormBackward(Node):
+class RMSNormBackward(FusedNode):
     """y = x * rstd * w,  rstd = 1/sqrt(mean(x^2) + eps);
     dx = rstd * (dxhat - xhat * mean(dxhat * xhat)),  dxhat = g * w,  dw = sum_rows(g * xhat)"""
 
@@ -142,19 +139,16 @@ class RMSNormBackward(Node):
         dinp = np.empty_like(x2)
         dweight = _partials(R, n, x2.dtype)
         if x2.size:
-            F._fused.rmsnorm_backward(dinp, dweight, g2, x2, self.w1, self.rstd, dweight.shape[0])
+            _kernels.fused.rmsnorm_backward(dinp, dweight, g2, x2, self.w1, self.rstd, dweight.shape[0])
         dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
         dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
         return (dx, dw)
 
-    def create_graph(self, g):
-        """(from primitives) y = x / sqrt(mean(x^2) + eps) * w"""
+    def composite(self, x, w=None):
+        """y = x / sqrt(mean(x^2) + eps) * w"""
         dims, eps = _norm_dims(self), _row_eps(self, self.x2, False)
-
-        def forward(x, w):
-            y = _core.mul(x, _core.pow(_core.add(_core.mean(_core.mul(x, x), dims, True), eps), -0.5))
-            return y if w is None else _core.mul(y, w)
-        return _through_primitives(forward, self.inputs, g)
+        y = _core.mul(x, _core.pow(_core.add(_core.mean(_core.mul(x, x), dims, True), eps), -0.5))
+        return y if w is None else _core.mul(y, w)
 
 
 declare_saved(RMSNormBackward, 0, 1)
@@ -174,7 +168,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     out = np.empty_like(x2)
     rstd = np.empty(x2.shape[0], x.dtype)
     if x2.size:
-        F._fused.rmsnorm_forward(out, rstd, x2, w1, float(eps), _threads(x2.size, memory_bound=True))
+        _kernels.fused.rmsnorm_forward(out, rstd, x2, w1, float(eps), _threads(x2.size, memory_bound=True))
     out = wrap(out.reshape(x.shape))
     inputs = (input, weight)
     if needs_graph(inputs):

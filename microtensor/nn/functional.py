@@ -8,8 +8,8 @@ Each fused op (linear, gelu, silu, layer_norm, rms_norm, cross_entropy, embeddin
 dropout, scaled_dot_product_attention) is one graph node: the forward function sits
 right below its Backward node, which states the math in its first docstring line.
 
-This module holds linear, embedding and dropout and the kernels (`_fused`,
-`_attention`: the AVX2+FMA build or the baseline one); the other ops live in one
+This module holds linear, embedding and dropout (the kernels every op runs are
+`_kernels.fused` and `_kernels.attention`, the widest build the CPU runs); the other ops live in one
 module per family and are imported here: activations and softmax in
 `_activations_fn.py`, layer_norm and rms_norm in `_normalization_fn.py`, the losses in
 `_losses_fn.py`, attention in `_attention_fn.py`, the shared helpers in
@@ -22,15 +22,15 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.kernels import _blas
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
-from microtensor.autograd.graph_rules import _wants, add_at as _add_at
+from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
+from microtensor.autograd.graph_rules import FusedNode
 from microtensor.nn._functional_common import (  # noqa: F401  (F._threads etc. stay here)
-    declare_saved, _cpu_has_avx2_fma, _load_kernels, DtypeError, _tensor, _float_array,
+    declare_saved, _cpu_has_avx2_fma, DtypeError, _tensor, _float_array,
     _same_dtype, _contig, _owned_indices, _grad_as, _PARALLEL_MIN, _PARALLEL_MIN_MEMORY_BOUND,
     _threads, _wants_grad, _check_reduction, _unbroadcast,
 )
 
-_fused, _attention = _load_kernels()
+from microtensor.nn import _kernels  # noqa: E402  (the build of the fused kernels every op reads)
 
 __all__ = [
     "linear", "relu", "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax",
@@ -41,7 +41,7 @@ __all__ = [
 
 # ---- linear ----------------------------------------------------------------------
 
-class LinearBackward(Node):
+class LinearBackward(FusedNode):
     """y = x @ W^T + b;  dx = g @ W,  dW = g^T @ x,  db = sum_rows(g)"""
 
     def backward(self, g):
@@ -57,18 +57,10 @@ class LinearBackward(Node):
             db = g2d.sum(axis=0)
         return (dx, dw, db)
 
-    def create_graph(self, g):
-        """y = x @ W^T + b;  dx = g @ W,  dW = g^T @ x,  db = sum_rows(g)"""
-        x, w = self.inputs[0], self.inputs[1]
-        g2 = _core.reshape(g, (-1, w.shape[0]))                   # (M, out)
-        dx = dw = db = None
-        if _wants(self, 0):
-            dx = _core.reshape(_core.matmul(g2, w), x.shape)
-        if _wants(self, 1):
-            dw = _core.matmul(_core.transpose(g2, 0, 1), _core.reshape(x, (-1, w.shape[1])))
-        if _wants(self, 2):
-            db = _core.sum(g2, 0)
-        return (dx, dw, db)
+    def composite(self, x, w, b=None):
+        """y = x @ W^T + b"""
+        y = _core.matmul(x, _core.transpose(w, 0, 1))
+        return y if b is None else _core.add(y, b)
 
 
 declare_saved(LinearBackward, 0, 1)
@@ -104,7 +96,7 @@ def linear(input, weight, bias=None):
 
 # ---- embedding -------------------------------------------------------------------
 
-class EmbeddingBackward(Node):
+class EmbeddingBackward(FusedNode):
     """y = W[idx];  dW[idx[i]] += g[i]   (repeated ids accumulate; kernel: embedding_backward)"""
 
     def backward(self, g):
@@ -112,20 +104,18 @@ class EmbeddingBackward(Node):
         dweight = np.zeros((V, D), dtype=self.dtype)
         g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(self.ids.shape[0], D)
         if g2.size:
-            _fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size, memory_bound=True))
+            _kernels.fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size, memory_bound=True))
         if self.padding_idx is not None:
             dweight[self.padding_idx] = 0
         return (None, dweight)
 
-    def create_graph(self, g):
-        """y = W[idx];  dW[idx[i]] += g[i]   (padding_idx row: 0)"""
-        V, D = self.weight_shape
-        dweight = _add_at(_core.reshape(g, (-1, D)), self.ids, (V, D), False)
+    def composite(self, ids, w):
+        """y = W[idx], with no gradient into row padding_idx"""
         if self.padding_idx is not None:
-            keep = np.ones((V, 1), dtype=bool)
+            keep = np.ones((w.shape[0], 1), dtype=bool)
             keep[self.padding_idx] = False
-            dweight = _core.where(keep, dweight, 0.0)
-        return (None, dweight)
+            w = _core.where(keep, w, w.detach())
+        return _core.reshape(_core.getitem(w, self.ids), self.out_shape)
 
 
 declare_saved(EmbeddingBackward)           # its indices are a private copy
@@ -153,26 +143,27 @@ def embedding(input, weight, padding_idx=None):
             raise IndexError(f"embedding: padding_idx {padding_idx} is out of range for num_embeddings={V}")
     out = np.empty((ids.shape[0], D), dtype=w.dtype)     # (M, D)
     if out.size:
-        _fused.embedding_forward(out, ids, _contig(w), _threads(out.size, memory_bound=True))
+        _kernels.fused.embedding_forward(out, ids, _contig(w), _threads(out.size, memory_bound=True))
     out = wrap(out.reshape(idx.shape + (D,)))
     if needs_graph((weight,)):
         node = EmbeddingBackward()
         node.ids, node.weight_shape, node.dtype, node.padding_idx = ids, w.shape, w.dtype, padding_idx
+        node.out_shape = idx.shape + (D,)
         attach(out, node, (None, weight))
     return out
 
 
 # ---- dropout ---------------------------------------------------------------------
 
-class DropoutBackward(Node):
+class DropoutBackward(FusedNode):
     """y = x * m / (1 - p);  dx = g * m / (1 - p)   (m: the kept positions)"""
 
     def backward(self, g):
         return (np.asarray(g * self.mask),)
 
-    def create_graph(self, g):
-        """y = x * m / (1 - p);  dx = g * m / (1 - p)"""
-        return (_core.mul(g, self.mask),)
+    def composite(self, x):
+        """y = x * m / (1 - p)   (self.mask holds m / (1 - p))"""
+        return _core.mul(x, self.mask)
 
 
 declare_saved(DropoutBackward)               # only its own mask
@@ -194,7 +185,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
         uniform = _core.default_generator().random(d.size, dtype=np.float32)
         mask = np.empty_like(d)
         out = np.empty_like(d)
-        _fused.dropout_forward(out.reshape(-1), mask.reshape(-1), d.reshape(-1), uniform,
+        _kernels.fused.dropout_forward(out.reshape(-1), mask.reshape(-1), d.reshape(-1), uniform,
                                float(p), _threads(d.size, memory_bound=True))
     out = wrap(out)
     if needs_graph((input,)):
@@ -204,7 +195,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
     return out
 
 
-# ---- the op families (each reads the kernels above as F._fused / F._attention) ------
+# ---- the op families (each reads the kernels as _kernels.fused / _kernels.attention) ----
 
 from microtensor.nn._activations_fn import (  # noqa: E402
     relu, sigmoid, tanh, SoftmaxBackward, LogSoftmaxBackward, _rows_backward, _softmax_like,

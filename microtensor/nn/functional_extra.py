@@ -11,7 +11,7 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
-from microtensor.autograd.graph_rules import _wants, _const
+from microtensor.autograd.graph_rules import _wants, _const, DifferentiableRule
 from microtensor.ops import extra as _ops
 from microtensor.ops._common import _tensor, _dim, declare_saved
 from microtensor.ops.linalg import vector_norm
@@ -44,11 +44,8 @@ def _same_shape(input, target, op):
 
 # ---- padding -------------------------------------------------------------------------
 
-class ConstantPadBackward(Node):
+class ConstantPadBackward(DifferentiableRule):
     """y = value everywhere, y[inner] = x;  dx = g[inner]"""
-
-    def backward(self, g):
-        return (np.ascontiguousarray(np.asarray(g)[self.inner]),)
 
     def create_graph(self, g):
         """y = value everywhere, y[inner] = x;  dx = g[inner]"""
@@ -151,21 +148,9 @@ def one_hot(tensor, num_classes=-1):
 
 # ---- losses ----------------------------------------------------------------------------
 
-class BinaryCrossEntropyBackward(Node):
+class BinaryCrossEntropyBackward(DifferentiableRule):
     """l = -w (t log x + (1-t) log(1-x));  dx = w (x - t) / max(x (1-x), 1e-12) g,
     dt = w (log(1-x) - log x) g   (logs clamped at -100, as torch)"""
-
-    def backward(self, g):
-        x, t, w = self.x, self.t, self.w
-        g = np.asarray(g)
-        if self.reduction == "mean":
-            g = g / x.size
-        dx = dt = None
-        if self.inputs[0] is not None and self.inputs[0].requires_grad:
-            dx = (w * (x - t) / np.maximum(x * (1 - x), 1e-12) * g).astype(x.dtype)
-        if self.inputs[1] is not None and self.inputs[1].requires_grad:
-            dt = (w * (self.log1mx - self.logx) * g).astype(x.dtype)
-        return (dx, dt)
 
     def create_graph(self, g):
         """l = -w (t log x + (1-t) log(1-x));  dx = w (x - t) / max(x (1-x), 1e-12) g,

@@ -17,7 +17,8 @@ node (the rule) sits right above its forward function.
 """
 import numpy as np
 
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
+from microtensor.autograd.graph_rules import FusedNode
 import microtensor.core._core as _core
 from microtensor.ops._common import declare_saved
 
@@ -64,18 +65,17 @@ def _table(t, name, x):
     return a
 
 
-class RopeBackward(Node):
+class RopeBackward(FusedNode):
     """dx = g * cos + R^T (g * sin),  R^T [u1, u2] = [u2, -u1]"""
 
     def backward(self, grad_output):
         return (rope_rotate_backward(grad_output, self.cos, self.sin),)
 
-    def create_graph(self, g):
-        """y = x cos + R x sin;  dx = g cos + R^T (g sin),  R^T [u1, u2] = [u2, -u1]"""
-        half = g.shape[-1] // 2
-        gs = _core.mul(g, self.sin)
-        rotated = _core.cat([gs[..., half:], _core.neg(gs[..., :half])], -1)
-        return (_core.add(_core.mul(g, self.cos), rotated),)
+    def composite(self, x):
+        """y = x cos + R x sin,  R [u1, u2] = [-u2, u1]"""
+        half = x.shape[-1] // 2
+        rotated = _core.cat([_core.neg(x[..., half:]), x[..., :half]], -1)
+        return _core.add(_core.mul(x, self.cos), _core.mul(rotated, self.sin))
 
 
 declare_saved(RopeBackward)        # it reads only its own tables

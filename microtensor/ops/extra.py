@@ -10,14 +10,14 @@ Every name here is an `mt.` function; those that torch also has as Tensor method
 registered as methods by the registry rows at the bottom (`register_ops`).
 """
 import math
-import sys
+import types
 
 import numpy as np
 import scipy.special
 
 import microtensor.core._core as _core
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
-from microtensor.autograd.graph_rules import _sum_to, _through_primitives
+from microtensor.autograd.graph_rules import _sum_to, DifferentiableRule, FusedNode
 
 _LN2 = math.log(2.0)
 _LN10 = math.log(10.0)
@@ -29,39 +29,43 @@ from microtensor.ops._common import _tensor, _dim, _dims, _float, _array, declar
 
 
 # ---- elementwise math: one row per op --------------------------------------------------
+# Each derivative is written once, over a namespace M of elementwise functions: on numpy
+# arrays (M = _ON_ARRAYS) it is the first-order backward, as fast as numpy; on tensors
+# (M = _ON_TENSORS, the ops of this module and the core) it is the create-graph rule,
+# differentiable again. x is the input, y the output, g the upstream gradient.
 
-def _zero(x, y, g):
-    return np.zeros_like(x)
+def _zero(M, x, y, g):
+    return M.zero(g)
 
 
-# name -> (forward(x), dx(x, y, g)); x is the input (float), y the output
+# name -> (forward(x) on arrays, dx(M, x, y, g))
 _UNARY = {
-    "sin": (np.sin, lambda x, y, g: g * np.cos(x)),                    # dx = g cos x
-    "cos": (np.cos, lambda x, y, g: -g * np.sin(x)),                   # dx = -g sin x
-    "tan": (np.tan, lambda x, y, g: g * (1 + y * y)),                  # dx = g (1 + y^2)
-    "asin": (np.arcsin, lambda x, y, g: g / np.sqrt(1 - x * x)),       # dx = g / sqrt(1-x^2)
-    "acos": (np.arccos, lambda x, y, g: -g / np.sqrt(1 - x * x)),      # dx = -g / sqrt(1-x^2)
-    "atan": (np.arctan, lambda x, y, g: g / (1 + x * x)),              # dx = g / (1+x^2)
-    "sinh": (np.sinh, lambda x, y, g: g * np.cosh(x)),                 # dx = g cosh x
-    "cosh": (np.cosh, lambda x, y, g: g * np.sinh(x)),                 # dx = g sinh x
-    "asinh": (np.arcsinh, lambda x, y, g: g / np.sqrt(x * x + 1)),     # dx = g / sqrt(x^2+1)
-    "atanh": (np.arctanh, lambda x, y, g: g / (1 - x * x)),            # dx = g / (1-x^2)
-    "log1p": (np.log1p, lambda x, y, g: g / (1 + x)),                  # dx = g / (1+x)
-    "expm1": (np.expm1, lambda x, y, g: g * (y + 1)),                  # dx = g e^x
-    "exp2": (np.exp2, lambda x, y, g: g * y * _LN2),                   # dx = g 2^x ln 2
-    "log2": (np.log2, lambda x, y, g: g / (x * _LN2)),                 # dx = g / (x ln 2)
-    "log10": (np.log10, lambda x, y, g: g / (x * _LN10)),              # dx = g / (x ln 10)
-    "rsqrt": (lambda x: 1 / np.sqrt(x), lambda x, y, g: -0.5 * g * y * y * y),  # dx = -g y^3/2
-    "reciprocal": (np.reciprocal, lambda x, y, g: -g * y * y),         # dx = -g y^2
-    "square": (np.square, lambda x, y, g: 2 * g * x),                  # dx = 2 g x
-    "erf": (scipy.special.erf,                                         # dx = g 2/sqrt(pi) e^-x^2
-            lambda x, y, g: g * (2 / _SQRT_PI) * np.exp(-x * x)),
-    "erfc": (scipy.special.erfc,                                       # dx = -g 2/sqrt(pi) e^-x^2
-             lambda x, y, g: -g * (2 / _SQRT_PI) * np.exp(-x * x)),
-    "erfinv": (scipy.special.erfinv,                                   # dx = g sqrt(pi)/2 e^y^2
-               lambda x, y, g: g * (_SQRT_PI / 2) * np.exp(y * y)),
-    "logit": (scipy.special.logit, lambda x, y, g: g / (x * (1 - x))),  # dx = g / (x (1-x))
-    "frac": (lambda x: x - np.trunc(x), lambda x, y, g: g),            # dx = g
+    "sin": (np.sin, lambda M, x, y, g: g * M.cos(x)),                    # dx = g cos x
+    "cos": (np.cos, lambda M, x, y, g: -g * M.sin(x)),                   # dx = -g sin x
+    "tan": (np.tan, lambda M, x, y, g: g * (1 + y * y)),                 # dx = g (1 + y^2)
+    "asin": (np.arcsin, lambda M, x, y, g: g / M.sqrt(1 - x * x)),       # dx = g / sqrt(1-x^2)
+    "acos": (np.arccos, lambda M, x, y, g: -g / M.sqrt(1 - x * x)),      # dx = -g / sqrt(1-x^2)
+    "atan": (np.arctan, lambda M, x, y, g: g / (1 + x * x)),             # dx = g / (1+x^2)
+    "sinh": (np.sinh, lambda M, x, y, g: g * M.cosh(x)),                 # dx = g cosh x
+    "cosh": (np.cosh, lambda M, x, y, g: g * M.sinh(x)),                 # dx = g sinh x
+    "asinh": (np.arcsinh, lambda M, x, y, g: g / M.sqrt(x * x + 1)),     # dx = g / sqrt(x^2+1)
+    "atanh": (np.arctanh, lambda M, x, y, g: g / (1 - x * x)),           # dx = g / (1-x^2)
+    "log1p": (np.log1p, lambda M, x, y, g: g / (1 + x)),                 # dx = g / (1+x)
+    "expm1": (np.expm1, lambda M, x, y, g: g * (y + 1)),                 # dx = g e^x
+    "exp2": (np.exp2, lambda M, x, y, g: g * y * _LN2),                  # dx = g 2^x ln 2
+    "log2": (np.log2, lambda M, x, y, g: g / (x * _LN2)),                # dx = g / (x ln 2)
+    "log10": (np.log10, lambda M, x, y, g: g / (x * _LN10)),             # dx = g / (x ln 10)
+    "rsqrt": (lambda x: 1 / np.sqrt(x), lambda M, x, y, g: -0.5 * g * y * y * y),  # dx = -g y^3/2
+    "reciprocal": (np.reciprocal, lambda M, x, y, g: -g * y * y),        # dx = -g y^2
+    "square": (np.square, lambda M, x, y, g: 2 * g * x),                 # dx = 2 g x
+    "erf": (scipy.special.erf,                                           # dx = g 2/sqrt(pi) e^-x^2
+            lambda M, x, y, g: g * (2 / _SQRT_PI) * M.exp(-x * x)),
+    "erfc": (scipy.special.erfc,                                         # dx = -g 2/sqrt(pi) e^-x^2
+             lambda M, x, y, g: -g * (2 / _SQRT_PI) * M.exp(-x * x)),
+    "erfinv": (scipy.special.erfinv,                                     # dx = g sqrt(pi)/2 e^y^2
+               lambda M, x, y, g: g * (_SQRT_PI / 2) * M.exp(y * y)),
+    "logit": (scipy.special.logit, lambda M, x, y, g: g / (x * (1 - x))),  # dx = g / (x (1-x))
+    "frac": (lambda x: x - np.trunc(x), lambda M, x, y, g: g),           # dx = g
     # piecewise constant: the gradient is zero (as torch's)
     "sign": (np.sign, _zero), "floor": (np.floor, _zero), "ceil": (np.ceil, _zero),
     "trunc": (np.trunc, _zero), "round": (np.round, _zero),
@@ -69,44 +73,11 @@ _UNARY = {
 # these keep an integer dtype, as torch's do (the others compute in float)
 _KEEP_INT = {"sign", "floor", "ceil", "trunc", "round", "square"}
 
-
-
-# op name of ops_extra's PointwiseBackward -> dx(x, g) from differentiable ops
-_POINTWISE = {
-    "sin": lambda E, x, g: _core.mul(g, E.cos(x)),
-    "cos": lambda E, x, g: _core.neg(_core.mul(g, E.sin(x))),
-    "tan": lambda E, x, g: _core.mul(g, _core.add(_core.mul(E.tan(x), E.tan(x)), 1.0)),
-    "asin": lambda E, x, g: _core.div(g, _core.sqrt(_core.sub(1.0, _core.mul(x, x)))),
-    "acos": lambda E, x, g: _core.neg(_core.div(g, _core.sqrt(_core.sub(1.0, _core.mul(x, x))))),
-    "atan": lambda E, x, g: _core.div(g, _core.add(_core.mul(x, x), 1.0)),
-    "sinh": lambda E, x, g: _core.mul(g, E.cosh(x)),
-    "cosh": lambda E, x, g: _core.mul(g, E.sinh(x)),
-    "asinh": lambda E, x, g: _core.div(g, _core.sqrt(_core.add(_core.mul(x, x), 1.0))),
-    "acosh": lambda E, x, g: _core.div(g, _core.sqrt(_core.sub(_core.mul(x, x), 1.0))),
-    "atanh": lambda E, x, g: _core.div(g, _core.sub(1.0, _core.mul(x, x))),
-    "log1p": lambda E, x, g: _core.div(g, _core.add(x, 1.0)),
-    "expm1": lambda E, x, g: _core.mul(g, _core.exp(x)),
-    "exp2": lambda E, x, g: _core.mul(g, _core.mul(E.exp2(x), math.log(2.0))),
-    "log2": lambda E, x, g: _core.div(g, _core.mul(x, math.log(2.0))),
-    "log10": lambda E, x, g: _core.div(g, _core.mul(x, math.log(10.0))),
-    "rsqrt": lambda E, x, g: _core.mul(g, _core.mul(_core.pow(x, -1.5), -0.5)),
-    "reciprocal": lambda E, x, g: _core.neg(_core.div(g, _core.mul(x, x))),
-    "square": lambda E, x, g: _core.mul(g, _core.mul(x, 2.0)),
-    "erf": lambda E, x, g: _core.mul(g, _core.mul(_core.exp(_core.neg(_core.mul(x, x))), 2 / math.sqrt(math.pi))),
-    "erfc": lambda E, x, g: _core.mul(g, _core.mul(_core.exp(_core.neg(_core.mul(x, x))), -2 / math.sqrt(math.pi))),
-    "erfinv": lambda E, x, g: _core.mul(g, _core.mul(_core.exp(_core.mul(E.erfinv(x), E.erfinv(x))),
-                                             math.sqrt(math.pi) / 2)),
-    "logit": lambda E, x, g: _core.div(g, _core.mul(x, _core.sub(1.0, x))),
-    "frac": lambda E, x, g: g,
-}
-for _name in ("sign", "floor", "ceil", "trunc", "round"):      # piecewise constant
-    _POINTWISE[_name] = lambda E, x, g: _core.mul(g, 0.0)
-
-
-def _closure(fn):
-    """The variables a closure captured, by name (softplus's beta and threshold)."""
-    cells = fn.__closure__ or ()
-    return {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, cells)}
+# the derivatives' namespace on arrays (first order); the one on tensors, _ON_TENSORS, is
+# made below, once this module's ops exist
+_ON_ARRAYS = types.SimpleNamespace(
+    sin=np.sin, cos=np.cos, sinh=np.sinh, cosh=np.cosh, sqrt=np.sqrt, exp=np.exp,
+    where=np.where, sigmoid=scipy.special.expit, zero=np.zeros_like)
 
 
 class PointwiseBackward(Node):
@@ -114,31 +85,27 @@ class PointwiseBackward(Node):
 
     def backward(self, g):
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            dx = self.rule(self.x, self.y, g)
+            dx = self.rule(_ON_ARRAYS, self.x, self.y, g)
         return (np.asarray(dx, dtype=self.x.dtype),)
 
     def name(self):
         return self.op.capitalize() + "Backward"
 
     def create_graph(self, g):
-        """y = f(x);  dx = g * f'(x), with f' written from differentiable ops per op"""
+        """The same row's dx, on tensors: differentiable again (y is computed again from
+        the live input, so that it is differentiable too)"""
         x = self.inputs[0]
-        if self.op == "softplus":      # dx = g sigmoid(beta x), g above the threshold
-            params = _closure(self.rule)
-            beta, threshold = params["beta"], params["threshold"]
-            above = self.x * beta > threshold
-            return (_core.where(above, g, _core.mul(g, _core.sigmoid(_core.mul(x, beta)))),)
-        rule = _POINTWISE.get(self.op)
-        if rule is None:
-            raise RuntimeError(f"{self.name()} (ops_extra op {self.op!r}) has no create_graph rule in "
-                               "microtensor.ops.extra._POINTWISE")
-        return (rule(sys.modules[__name__], x, g),)
+        y = self.forward_again(x) if self.forward_again is not None else None
+        return (self.rule(_ON_TENSORS, x, y, g),)
 
 
 declare_saved(PointwiseBackward, 0, output=True)
 
 
-def _pointwise(op, x, forward=None, rule=None):
+def _pointwise(op, x, forward=None, rule=None, forward_again=None):
+    """op's forward on x's array and, for a float x that needs a graph, its node. forward
+    and rule default to the op's row of _UNARY; forward_again(x) is y from tensor ops, for
+    the create-graph rule (default: the op's function of this module)."""
     t = _tensor(x, op)
     fwd, dx = _UNARY[op] if forward is None else (forward, rule)
     a = t._data
@@ -150,6 +117,7 @@ def _pointwise(op, x, forward=None, rule=None):
     if needs_graph((t,)) and a.dtype.kind == "f":
         node = PointwiseBackward()
         node.op, node.rule, node.x, node.y = op, dx, a, y
+        node.forward_again = forward_again if forward is not None else globals()[op]
         attach(out, node, (t,))
     return out
 
@@ -173,6 +141,11 @@ erf, erfc, erfinv, logit, frac, sign, floor, ceil, trunc = (
                              "trunc"))
 arcsin, arccos, arctan, sgn, fix = asin, acos, atan, sign, trunc
 
+# the derivatives' namespace on tensors (the create-graph rules)
+_ON_TENSORS = types.SimpleNamespace(
+    sin=sin, cos=cos, sinh=sinh, cosh=cosh, sqrt=_core.sqrt, exp=_core.exp, where=_core.where,
+    sigmoid=_core.sigmoid, zero=lambda g: _core.mul(g, 0.0))
+
 
 def round(input, decimals=0):
     """torch.round: half to even (as torch); `decimals` rounds to a power of ten."""
@@ -192,26 +165,15 @@ def softplus(input, beta=1.0, threshold=20.0):
         z = a * beta
         return np.where(z > threshold, a, np.logaddexp(0, z) / beta).astype(a.dtype)
 
-    def rule(x, y, g):
+    def rule(M, x, y, g):
         z = x * beta
-        return np.where(z > threshold, g, g * scipy.special.expit(z))
+        return M.where(z > threshold, g, g * M.sigmoid(z))
 
     return _pointwise("softplus", input, forward, rule)
 
 
-class Atan2Backward(Node):
+class Atan2Backward(DifferentiableRule):
     """y = atan2(a, b);  da = g b / (a^2 + b^2),  db = -g a / (a^2 + b^2)"""
-
-    def backward(self, g):
-        a, b = self.a, self.b
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = g / (a * a + b * b)
-        unbroadcast = _core.sum_to_shape
-        da = unbroadcast(r * b, self.a_shape).astype(a.dtype, copy=False) \
-            if self.inputs[0] is not None and self.inputs[0].requires_grad else None
-        db = unbroadcast(-r * a, self.b_shape).astype(a.dtype, copy=False) \
-            if self.inputs[1] is not None and self.inputs[1].requires_grad else None
-        return (da, db)
 
     def create_graph(self, g):
         """the same, from differentiable ops on the live inputs (differentiable again)"""
@@ -308,13 +270,8 @@ def addmm(input, mat1, mat2, beta=1, alpha=1):
 
 # ---- scans ---------------------------------------------------------------------------
 
-class CumsumBackward(Node):
+class CumsumBackward(DifferentiableRule):
     """y = cumsum(x, d);  dx = reverse-cumsum(g, d)"""
-
-    def backward(self, g):
-        g = np.asarray(g).reshape(self.shape1)
-        dx = np.flip(np.cumsum(np.flip(g, self.dim), self.dim), self.dim)
-        return (dx.reshape(self.shape).astype(self.dtype, copy=False),)
 
     def create_graph(self, g):
         """y = cumsum(x, d);  dx = reverse-cumsum(g, d)"""
@@ -350,7 +307,7 @@ def cumsum(input, dim, dtype=None):
     return out
 
 
-class CumprodBackward(Node):
+class CumprodBackward(FusedNode):
     """y_i = prod_{k<=i} x_k;  dx_i = (prod_{k<i} x_k) * S_i with S_i = g_i + x_{i+1} S_{i+1}
 
     Exact with zeros in x (no division by x): S is the reverse scan of
@@ -370,19 +327,16 @@ class CumprodBackward(Node):
         dx = np.moveaxis(before * s, 0, self.dim)
         return (dx.reshape(self.shape).astype(self.x.dtype, copy=False),)
 
-    def create_graph(self, g):
-        """(from primitives) y_i = y_(i-1) * x_i along dim"""
+    def composite(self, x):
+        """y_i = y_(i-1) * x_i along dim"""
         shape1, dim = self.x.shape, self.dim
-
-        def forward(x):
-            x = _core.reshape(x, shape1)
-            running, out = None, []
-            for i in range(shape1[dim]):
-                xi = _core.getitem(x, (slice(None),) * dim + (slice(i, i + 1),))
-                running = xi if running is None else _core.mul(running, xi)
-                out.append(running)
-            return _core.reshape(_core.cat(out, dim), self.shape)
-        return _through_primitives(forward, self.inputs, g)
+        x = _core.reshape(x, shape1)
+        running, out = None, []
+        for i in range(shape1[dim]):
+            xi = _core.getitem(x, (slice(None),) * dim + (slice(i, i + 1),))
+            running = xi if running is None else _core.mul(running, xi)
+            out.append(running)
+        return _core.reshape(_core.cat(out, dim), self.shape)
 
 
 declare_saved(CumprodBackward, live=(0,))  # its own copy of x; the create-graph rule reads x

@@ -11,7 +11,7 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
-from microtensor.autograd.graph_rules import _wants, add_at as _add_at
+from microtensor.autograd.graph_rules import _wants, add_at as _add_at, DifferentiableRule
 from microtensor.ops._common import _tensor, _dim, _dims, _array, declare_saved
 
 # (values, indices), readable as .values / .indices, like torch.return_types
@@ -105,22 +105,9 @@ def take(input, index):
                          ).reshape(*idx.shape)
 
 
-class ScatterBackward(Node):
+class ScatterBackward(DifferentiableRule):
     """y = x;  y[key] = src[src_key] (or += for scatter_add)
     dx = g (zero on the overwritten places for scatter),  dsrc[src_key] = g[key]"""
-
-    def backward(self, g):
-        g = np.asarray(g)
-        dx = None
-        if self.inputs[0] is not None and self.inputs[0].requires_grad:
-            dx = np.array(g, dtype=self.dtype, copy=True)
-            if not self.add:
-                dx[self.key] = 0
-        dsrc = None
-        if self.inputs[1] is not None and self.inputs[1].requires_grad:
-            dsrc = np.zeros(self.src_shape, dtype=self.dtype)
-            dsrc[self.src_key] = g[self.key]
-        return (dx, dsrc)
 
     def create_graph(self, g):
         """y = x;  y[key] = src[src_key] (or +=);  dx = g (0 where overwritten),  dsrc = g[key]"""

@@ -12,7 +12,7 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
-from microtensor.autograd.graph_rules import _keepdim, _const
+from microtensor.autograd.graph_rules import _keepdim, _const, DifferentiableRule
 from microtensor.ops._common import _tensor, _dim, _dims, _float, declare_saved
 from microtensor.ops.index import diagonal
 
@@ -304,23 +304,8 @@ def einsum(equation, *operands):
 
 # ---- norms -----------------------------------------------------------------------------
 
-class VectorNormBackward(Node):
+class VectorNormBackward(DifferentiableRule):
     """y = (sum |x|^p)^(1/p);  dx = g sign(x) |x|^(p-1) / y^(p-1)   (0 where y = 0)"""
-
-    def backward(self, g):
-        x, y, p = self.x, self.y, self.p
-        if not self.keepdim and self.dims:
-            g, y = np.expand_dims(g, self.dims), np.expand_dims(y, self.dims)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            if p == 2:
-                dx = x * (g / y)
-            elif p == 1:
-                dx = np.sign(x) * g
-            else:
-                dx = np.sign(x) * np.abs(x) ** (p - 1) * (g / y ** (p - 1))
-        if p != 1:
-            dx = np.where(y == 0, 0, dx)
-        return (np.asarray(dx, dtype=x.dtype),)
 
     def create_graph(self, g):
         """y = (sum |x|^p)^(1/p);  dx = g sign(x) |x|^(p-1) / y^(p-1)   (0 where y = 0)"""

@@ -2,37 +2,30 @@
 
 `maximum(a, b)` gives NaN when either side is NaN; `fmax(a, b)` gives the other side,
 and NaN only where both are NaN (numpy's and torch's fmax). These two ops are the worked
-example of docs/ADDING_AN_OP.md: each is one rule (a Node with its backward, and the
-same rule in differentiable ops for create_graph=True), one registry line, and one
-line in the op table of tests/test_ops.py.
+example of docs/ADDING_AN_OP.md: each is one rule (a node whose gradient is written once,
+in differentiable ops), one registry row, and one line in the op table of
+tests/test_ops.py.
 """
 import numpy as np
 
 import microtensor.core._core as _core
-from microtensor.core._core import Node, Tensor, wrap, needs_graph, attach, register_op
+from microtensor.core._core import Tensor, wrap, needs_graph, attach, register_op
 from microtensor.ops._common import declare_saved
-from microtensor.autograd.graph_rules import _sum_to
+from microtensor.autograd.graph_rules import _sum_to, DifferentiableRule
 
 
-class FmaxBackward(Node):
+class FmaxBackward(DifferentiableRule):
     """y = fmax(a, b);  da = g where a was taken (a >= b, or b is NaN),  db = g elsewhere"""
 
-    def backward(self, g):
-        g = np.asarray(g)
-        zero = np.zeros((), dtype=g.dtype)
-        da = _core.sum_to_shape(np.where(self.took_a, g, zero), self.a_shape)
-        db = _core.sum_to_shape(np.where(self.took_a, zero, g), self.b_shape)
-        return (da.astype(self.a_dtype, copy=False), db.astype(self.b_dtype, copy=False))
-
     def create_graph(self, g):
-        """The same rule in differentiable ops, for gradients of gradients."""
+        """The gradient, in differentiable ops: first order and gradients of gradients."""
         took_a, zero = wrap(self.took_a), _core.zeros_like(g)
         da = _sum_to(_core.where(took_a, g, zero), self.a_shape)
         db = _sum_to(_core.where(took_a, zero, g), self.b_shape)
         return (da, db)
 
 
-declare_saved(FmaxBackward)     # backward reads its own mask, not the inputs
+declare_saved(FmaxBackward)     # the rule reads its own mask, not the inputs
 
 
 def _fmax_like(input, other, take_larger):
@@ -51,7 +44,7 @@ def _fmax_like(input, other, take_larger):
         node = FmaxBackward()
         with np.errstate(invalid="ignore"):
             node.took_a = ((a >= b) if take_larger else (a <= b)) | np.isnan(b)
-        node.a_shape, node.b_shape, node.a_dtype, node.b_dtype = a.shape, b.shape, a.dtype, b.dtype
+        node.a_shape, node.b_shape = a.shape, b.shape
         attach(y, node, (input, other))
     return y
 

@@ -50,7 +50,8 @@ def kernel_build():
                  "compiler": b.COMPILER}
     except ImportError:   # built before setup.py recorded its flags
         build = {"compile_args": None, "openmp": None, "native": None, "compiler": None}
-    from microtensor.runtime._blas_choice import _cpu_has_avx2_fma, _cpu_has_avx512, loaded_kernels
+    from microtensor.runtime._blas_choice import _cpu_has_avx2_fma, _cpu_has_avx512
+    from microtensor.runtime._kernel_choice import loaded_kernels
     fused, attention = loaded_kernels()
     build["fused_kernels"] = getattr(fused, "TARGET", "baseline")
     build["attention_kernels"] = getattr(attention, "TARGET", "baseline")
