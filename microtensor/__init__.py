@@ -118,10 +118,3 @@ from microtensor.core.dialect import (
     is_inference_mode_enabled, set_float32_matmul_precision, get_float32_matmul_precision,
     use_deterministic_algorithms, are_deterministic_algorithms_enabled,
 )
-
-
-# the ops written in Python: the profiler times them and mt.compile records them (the
-# families' rows say which modules; mt.linalg's functions are labelled "linalg.")
-from microtensor.ops import _intercept  # noqa: E402
-_intercept.register_ops(linalg, "linalg.")
-

@@ -12,9 +12,10 @@
     print(prof.table(steps=3))
 
 Forward: while the profiler is on, the public op functions of microtensor.core._core (which
-Tensor's operators and methods call) and of the modules registered with `register_ops`
-(microtensor.nn registers nn.functional) are replaced by timing wrappers, also where
-other microtensor / models modules imported them by name.
+Tensor's operators and methods call) and the function of every other op registry row
+(the Python op families, F's ops as "F.<name>", mt.linalg's as "linalg.<name>") are
+replaced by timing wrappers, also where other microtensor / models modules imported them
+by name.
 Only the outermost op is timed: an op that calls other ops (cross_entropy calling
 log_softmax, say) counts once, with everything it called inside it.
 
@@ -34,7 +35,7 @@ from microtensor.core import _core
 from microtensor.ops import _intercept
 
 _active = None           # the Profiler that is on, if any
-register_ops = _intercept.register_ops   # microtensor.nn registers nn.functional as "F."
+register_ops = _intercept.register_ops   # microtensor.nn registers nn.init as "nn.init."
 
 
 def backward_hook():

@@ -18,7 +18,7 @@ ROWS = mt.registered_ops()
 
 
 def test_the_registry_has_the_core_and_the_example():
-    names = {row.name for row in ROWS}
+    names = {row.label for row in ROWS}
     assert len(names) == len(ROWS), "two rows share a name"
     for name in ("add", "exp", "sum", "reshape", "matmul", "softmax", "fmax"):
         assert name in names, f"no registry row for {name}"
@@ -206,7 +206,7 @@ def test_the_registry_is_the_only_list_of_ops():
             if name.endswith((".py", ".pyx", ".pxi")):
                 text = open(os.path.join(folder, name), encoding="utf-8").read()
                 assert "TENSOR_METHODS" not in text, os.path.join(folder, name)
-    rows = {row.name: row for row in mt.ops.registry()}
+    rows = {row.label: row for row in mt.ops.registry()}
     for name in mt.core._core.registered_tensor_methods():
         assert rows[name].method is mt.Tensor.__dict__[name]
     for module in (mt.ops.extra, mt.ops.compare, mt.ops.index, mt.ops.linalg):
@@ -214,6 +214,36 @@ def test_the_registry_is_the_only_list_of_ops():
             if callable(obj) and getattr(obj, "__module__", None) == module.__name__ \
                     and getattr(mt, name, None) is obj and not isinstance(obj, type):
                 assert name in rows, f"mt.{name} has no registry row"
+
+
+def test_every_op_of_f_and_of_linalg_is_a_row():
+    """F's ops and mt.linalg's are registry rows too (scope "F" / "linalg"): what the
+    profiler times and mt.compile records comes from the rows, so an op without one
+    would be missed by both."""
+    import microtensor.nn.functional as F
+    helpers = {"attach", "declare_saved", "needs_graph", "wrap"}
+    functions = {id(row.function): row for row in mt.ops.registry()}
+    for scope, module in (("F", F), ("linalg", mt.linalg)):
+        names = [n for n in dir(module) if not n.startswith("_") and n not in helpers
+                 and callable(getattr(module, n)) and not isinstance(getattr(module, n), type)]
+        assert len(names) >= (40 if scope == "F" else 3)
+        for name in names:
+            row = functions.get(id(getattr(module, name)))
+            assert row is not None, f"{scope}.{name} has no registry row"
+            assert row.scope in (scope, ""), row
+    rows = {row.label: row for row in mt.ops.registry()}
+    assert rows["F.gelu"].kind == "pointwise" and rows["F.layer_norm"].kind == "fused"
+    assert rows["F.gelu"].function is F.gelu and rows["linalg.norm"].function is mt.linalg.norm
+    assert not hasattr(mt, "layer_norm") and "layer_norm" not in mt.Tensor.__dict__
+
+
+def test_a_scoped_row_has_no_method_and_no_mt_function():
+    with pytest.raises(ValueError, match="scope must be one of"):
+        mt.register_op("registry_test_scoped", lambda t: t, kind="pointwise", scope="nn")
+    with pytest.raises(ValueError, match="no method and no operator"):
+        mt.register_op("registry_test_scoped", lambda t: t, kind="pointwise", scope="F",
+                       operator="@@")
+    assert "F.registry_test_scoped" not in [r.label for r in mt.ops.registry()]
 
 
 # ---- every core op with a gradient has a line in the op table of test_ops.py ----------

@@ -1,8 +1,8 @@
 """Recording one call of a function as the ops it ran, in order.
 
 While any recording is on, every op is wrapped once for all threads (`_install`): the
-public functions of the core and of the modules registered with `register_ops`
-(microtensor/ops/_intercept.py), every Tensor method but those that only read shapes or
+public functions of the core, the function of every other op registry row (F's ops
+included) and nn.init's fills (microtensor/ops/_intercept.py), every Tensor method but those that only read shapes or
 values (TENSOR_READS: in-place methods such as `exp_` and `masked_fill_` are ops with
 records of their own), and the calls marked with `recorded_call` (an optimizer's step,
 clip_grad_norm_, zero_grad). A wrapper asks its own thread's Recorder, if it has one,

@@ -30,42 +30,62 @@ KINDS = ("pointwise",   # each output element from the same-index input elements
          "inplace")     # changes its tensor (masked_fill_, exp_)
 
 
+# Where an op is called from besides mt.<name>: "" (mt itself, and Tensor methods), "F"
+# (torch.nn.functional's ops, as mt.nn.functional.<name>), "linalg" (mt.linalg.<name>).
+SCOPES = ("", "F", "linalg")
+
+
 class OpRow:
     """One registered op: `function` is `mt.<name>` (when `export`), `method` is what
     `t.<name>(...)` calls with t first (None: no method), `operator` the symbol Python
-    spells it with, `kind` its class (one of KINDS), `module` where its rule lives."""
-    __slots__ = ("name", "function", "method", "operator", "export", "module", "kind")
+    spells it with, `kind` its class (one of KINDS), `module` where its rule lives, and
+    `scope` where else it is called from ("F": it is F.<name>; "linalg": mt.linalg.<name>).
+    `label` names it as the profiler and mt.compile's plans do: "F.gelu", "exp"."""
+    __slots__ = ("name", "function", "method", "operator", "export", "module", "kind", "scope")
 
-    def __init__(self, name, function, method, operator, export, module, kind):
+    def __init__(self, name, function, method, operator, export, module, kind, scope):
         self.name, self.function, self.method = name, function, method
         self.operator, self.export, self.module = operator, export, module
-        self.kind = kind
+        self.kind, self.scope = kind, scope
+
+    @property
+    def label(self):
+        return f"{self.scope}.{self.name}" if self.scope else self.name
 
     def __repr__(self):
         extra = f", operator {self.operator!r}" if self.operator else ""
-        return f"<op {self.name} ({self.kind}) from {self.module}{extra}>"
+        return f"<op {self.label} ({self.kind}) from {self.module}{extra}>"
 
 
 cdef dict _registry = {}
 
 
-def register_op(name, function, method=True, operator=None, export=True, *, kind):
+def register_op(name, function, method=True, operator=None, export=True, *, kind, scope=""):
     """Register the op `name` of class `kind` (one of KINDS): `mt.name` is `function`
     (unless export=False), and `t.name(*args)` calls `method(t, *args)` (method=True: the
     function itself, whose first argument is the tensor; a callable: that callable, for
-    ops whose method takes its arguments in another order; False: no method). Returns
-    `function`, so it also works as a decorator's body."""
+    ops whose method takes its arguments in another order; False: no method). With a
+    `scope` ("F", "linalg"), the row is that scope's function only (F.<name>): no mt.
+    function, no method. Returns `function`, so it also works as a decorator's body."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"register_op: the name must be an identifier, got {name!r}")
     if kind not in KINDS:
         raise ValueError(f"register_op({name!r}): kind must be one of {', '.join(KINDS)}; "
                          f"got {kind!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"register_op({name!r}): scope must be one of {SCOPES}; got {scope!r}")
     if not callable(function):
         raise TypeError(f"register_op({name!r}): the function must be callable, "
                         f"got {type(function).__name__}")
-    if name in _registry:
-        raise ValueError(f"register_op: {name!r} is registered already "
-                         f"(by {_registry[name].module})")
+    if scope:
+        if operator is not None or method not in (True, False, None):
+            raise ValueError(f"register_op({name!r}, scope={scope!r}): a scoped row has no "
+                             "method and no operator")
+        method, export = None, False
+    label = f"{scope}.{name}" if scope else name
+    if label in _registry:
+        raise ValueError(f"register_op: {label!r} is registered already "
+                         f"(by {_registry[label].module})")
     if method is True:
         method = function
     elif method is False or method is None:
@@ -82,20 +102,21 @@ def register_op(name, function, method=True, operator=None, export=True, *, kind
     module = getattr(function, "__module__", None) or "microtensor.core._core"
     if export:
         _export(name, function)
-    _registry[name] = OpRow(name, function, method, operator, bool(export), module, kind)
+    _registry[label] = OpRow(name, function, method, operator, bool(export), module, kind, scope)
     return function
 
 
-def register_ops(kind, namespace, names, method=True, export=True):
+def register_ops(kind, namespace, names, method=True, export=True, scope=""):
     """One row of class `kind` for each op in `names` (separated by spaces), each the
     function of that name in `namespace` (the family module's globals()): the block a
-    family written in Python closes with. `method` and `export` as for register_op."""
+    family written in Python closes with. `method`, `export` and `scope` as for
+    register_op."""
     if not isinstance(names, str):
         raise TypeError(f"register_ops: names must be a string of names, got {type(names).__name__}")
     for name in names.split():
         if name not in namespace:
             raise KeyError(f"register_ops({kind!r}): no function {name!r} in the namespace given")
-        register_op(name, namespace[name], method=method, export=export, kind=kind)
+        register_op(name, namespace[name], method=method, export=export, kind=kind, scope=scope)
 
 
 cdef _check_export(str name, object function):

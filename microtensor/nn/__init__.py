@@ -34,13 +34,8 @@ from microtensor.nn.losses import (
 from microtensor.nn.normalization import BatchNorm1d
 from microtensor import profiler as _profiler
 
-# the profiler times F's ops too, and mt.compile records them (microtensor/ops/_intercept.py)
-from microtensor.nn import (functional_extra as _functional_extra, rope as _rope,  # noqa: E402
-                            _activations_fn, _normalization_fn, _losses_fn, _attention_fn)
-for _module in (functional, _activations_fn, _normalization_fn, _losses_fn, _attention_fn,
-                _functional_extra, _rope):
-    _profiler.register_ops(_module, "F.")
-del _module
+# F's ops are registry rows (scope "F"): the profiler times them and mt.compile records
+# them by their rows; nn.init's fills are registered here
 _profiler.register_ops(init, "nn.init.")    # random draws: a replay draws again
 # mt.compile replays a plan only while each module it called has the training flag it
 # had when recorded

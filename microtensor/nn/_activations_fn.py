@@ -11,7 +11,7 @@ import math
 import scipy.special
 
 import microtensor.core._core as _core
-from microtensor.core._core import Node, wrap, needs_graph, attach
+from microtensor.core._core import Node, wrap, needs_graph, attach, register_ops
 from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
 from microtensor.nn import _kernels
 from microtensor.nn._functional_common import (
@@ -232,3 +232,11 @@ def silu(input, inplace=False):
         node.x = x
         attach(out, node, (input,))
     return out
+
+
+# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
+
+register_ops("pointwise", globals(), "relu sigmoid tanh gelu silu", scope="F")
+# mt.softmax and t.softmax(dim) are these same ops (the core has no softmax of its own)
+_core.register_op("softmax", softmax, kind="fused")
+_core.register_op("log_softmax", log_softmax, kind="fused")

@@ -218,3 +218,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
         attach(out, node, inputs)
     return out
+
+
+# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
+
+_core.register_op("scaled_dot_product_attention", scaled_dot_product_attention, kind="fused", scope="F")

@@ -6,7 +6,7 @@ the build chosen at import (and a test may swap it there).
 """
 import numpy as np
 
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError, register_ops
 import microtensor.core._core as _core
 from microtensor.autograd.graph_rules import _wants, _sum_to, _const, DifferentiableRule
 from microtensor.nn._activations_fn import softmax, log_softmax
@@ -377,3 +377,8 @@ def mse_loss(input, target, reduction="mean"):
         node.diff, node.reduction, node.a_shape, node.b_shape = diff, reduction, a.shape, b.shape
         attach(out, node, inputs)
     return out
+
+
+# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
+
+register_ops("fused", globals(), "cross_entropy nll_loss mse_loss", scope="F")

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from microtensor.core._core import wrap, needs_graph, attach, ShapeError
+from microtensor.core._core import wrap, needs_graph, attach, ShapeError, register_ops
 import microtensor.core._core as _core
 from microtensor.autograd.graph_rules import _const, FusedNode
 from microtensor.nn import _kernels
@@ -177,3 +177,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
         node.x_shape, node.normalized_shape, node.eps = x.shape, normalized_shape, eps
         attach(out, node, inputs)
     return out
+
+
+# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
+
+register_ops("fused", globals(), "layer_norm rms_norm", scope="F")

@@ -213,11 +213,13 @@ from microtensor.nn._attention_fn import (  # noqa: E402
     AttentionBackward, scaled_dot_product_attention,
 )
 
-# mt.softmax and t.softmax(dim) are these same ops: their registry rows sit here, beside
-# the kernels they run (the core has no softmax of its own)
-_core.register_op("softmax", softmax, kind="fused")
-_core.register_op("log_softmax", log_softmax, kind="fused")
-
 # pad, one_hot, the other losses and activations, normalize, batch_norm
 from microtensor.nn.functional_extra import *  # noqa: E402,F401,F403
 from microtensor.nn.rope import rotary_embedding  # noqa: E402,F401
+
+
+# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
+
+_core.register_op("linear", linear, kind="matmul", scope="F")
+_core.register_op("embedding", embedding, kind="index", scope="F")
+_core.register_op("dropout", dropout, kind="random", scope="F")

@@ -441,3 +441,17 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if bias is not None:
         y = _core.add(y, _core.reshape(bias, *shape))
     return y
+
+
+# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
+
+_core.register_ops("pointwise", globals(), """
+    celu elu hardsigmoid hardswish hardtanh leaky_relu logsigmoid mish relu6 selu softplus
+    softsign tanhshrink""", scope="F")
+_core.register_ops("fused", globals(), """
+    batch_norm binary_cross_entropy binary_cross_entropy_with_logits cosine_similarity
+    huber_loss kl_div l1_loss normalize pairwise_distance smooth_l1_loss softmin glu""",
+    scope="F")
+_core.register_ops("random", globals(), "gumbel_softmax", scope="F")
+_core.register_ops("index", globals(), "one_hot", scope="F")
+_core.register_ops("shape", globals(), "pad", scope="F")

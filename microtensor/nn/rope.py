@@ -17,7 +17,7 @@ node (the rule) sits right above its forward function.
 """
 import numpy as np
 
-from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
+from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError, register_ops
 from microtensor.autograd.graph_rules import FusedNode
 import microtensor.core._core as _core
 from microtensor.ops._common import declare_saved
@@ -98,3 +98,8 @@ def rotary_embedding(x, cos, sin):
         node.cos, node.sin = cos, sin
         attach(out, node, (x,))
     return out
+
+
+# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
+
+register_ops("fused", globals(), "rotary_embedding", scope="F")

@@ -2,9 +2,9 @@
 record them) both do.
 
 `patch_ops(wrapper_for)` replaces each op function by `wrapper_for(label, fn)`: the
-public functions of microtensor.core._core, those of the modules the registry's rows come
-from (the op families written in Python), those of the modules registered with
-`register_ops` (nn registers nn.functional and its family modules as "F."), the references other microtensor
+public functions of microtensor.core._core, the function of every other registry row
+(the op families written in Python, F's ops, mt.linalg's), those of the modules
+registered with `register_ops` (nn registers nn.init), the references other microtensor
 and models modules took with `from ... import op`, and the Tensor methods the op
 registry installed (t.exp() reaches the op without a module lookup). Operators need
 nothing more: `a + b` calls the module-level `add` of the core. `unpatch` puts every
@@ -39,18 +39,6 @@ def register_ops(module, prefix):
         _op_modules.append((module, prefix))
 
 
-def _row_modules():
-    """(module, "") for each module outside the core that registry rows come from (the op
-    families written in Python), unless registered with a prefix of its own."""
-    taken = {m.__name__ for m, _ in _op_modules}
-    found = []
-    for row in _core.registered_ops():
-        if row.module != _core.__name__ and row.module not in taken and row.module in sys.modules:
-            taken.add(row.module)
-            found.append((sys.modules[row.module], ""))
-    return found
-
-
 def _is_function(obj):
     return callable(obj) and not isinstance(obj, type) and (
         type(obj).__name__ in ("function", "cython_function_or_method",
@@ -71,7 +59,19 @@ def op_functions(skip=CREATION_AND_STATE):
         if getattr(obj, "__module__", "microtensor.core._core") != "microtensor.core._core":
             continue
         ops[name] = (_core, name, obj)
-    for module, prefix in _op_modules + _row_modules():
+    # the ops outside the core's own functions: the registry's rows, labelled as a
+    # row names itself ("cumsum", "F.gelu", "linalg.norm")
+    for row in _core.registered_ops():
+        if row.module == _core.__name__ or row.label in skip:
+            continue
+        module = sys.modules.get(row.module)
+        name = row.name if module is not None and vars(module).get(row.name) is row.function else None
+        if name is None and not row.scope and not row.export:
+            continue      # a method made on the fly (t.exp_): a Tensor method, wrapped as one
+        ops[row.label] = (module, name, row.function)
+    # and what layers above register by module (nn registers nn.init: its fills draw
+    # random numbers, which a replay must draw again)
+    for module, prefix in _op_modules:
         for name, obj in vars(module).items():
             if name.startswith("_") or not _is_function(obj):
                 continue
@@ -94,9 +94,12 @@ def patch_ops(wrapper_for, skip=CREATION_AND_STATE, packages=("microtensor", "mo
 
     wrapped = {}
     for label, (module, name, fn) in op_functions(skip).items():
+        if id(fn) in wrapped:
+            continue      # one function under two labels (an alias): wrapped once
         w = wrapper_for(label, fn)
         wrapped[id(fn)] = w
-        patch(module, name, w)
+        if name is not None:
+            patch(module, name, w)
     # modules that did `from ... import op` hold their own reference
     for modname, module in list(sys.modules.items()):
         if module is None or modname.split(".")[0] not in packages or module is _core:

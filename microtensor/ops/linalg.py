@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 import microtensor.core._core as _core
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
+from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_op, register_ops
 from microtensor.autograd.graph_rules import _keepdim, _const, DifferentiableRule
 from microtensor.ops._common import _tensor, _dim, _dims, _float, declare_saved
 from microtensor.ops.index import diagonal
@@ -417,3 +417,7 @@ register_ops("matmul", globals(), "einsum tensordot", method=False)
 register_ops("reduction", globals(), "norm dist")
 register_ops("reduction", globals(), "cdist", method=False)
 register_ops("pointwise", globals(), "cross")
+
+
+register_ops("reduction", globals(), "vector_norm matrix_norm", scope="linalg")
+register_op("norm", linalg_norm, kind="reduction", scope="linalg")
