@@ -996,6 +996,41 @@ def test_gemm_threaded(ta, tb, dtype, M, K, N, nt):
     out = np.ones((M, N), dtype)                          # beta: out = a @ b + beta * out
     _blas.gemm(a_op, b_op, out=out, beta=0.5, num_threads=nt)
     np.testing.assert_allclose(out, expected + 0.5, rtol=tol, atol=tol)
+    # the bias epilogue: each block adds it to what it wrote, the same bits as a second pass
+    bias = rng.standard_normal(N).astype(dtype)
+    with_bias = _blas.gemm(a_op, b_op, num_threads=nt, bias=bias)
+    np.testing.assert_array_equal(with_bias, threaded + bias)
+    out = np.ones((M, N), dtype)
+    _blas.gemm(a_op, b_op, out=out, beta=0.5, num_threads=nt, bias=bias)
+    np.testing.assert_allclose(out, expected + 0.5 + bias, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("M, N, nt", [(1001, 131, 2), (1001, 131, 3), (3, 5, 2), (0, 7, 2),
+                                      (513, 33, 3)])
+def test_column_sum_threaded_is_numpys_sum_over_rows(dtype, M, N, nt):
+    g = rng.standard_normal((M, N)).astype(dtype)
+    for threads in (1, nt):
+        np.testing.assert_array_equal(_blas.column_sum(g, num_threads=threads), g.sum(axis=0))
+    # a transposed view is summed as the array it shows
+    np.testing.assert_array_equal(_blas.column_sum(g.T.copy().T), g.sum(axis=0))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda N, dt: np.ones(N + 1, dt), "1-D"), (lambda N, dt: np.ones(N - 1, dt), "1-D"),
+    (lambda N, dt: np.ones((1, N), dt), "1-D"), (lambda N, dt: np.ones(N, np.float64), "1-D"),
+    (lambda N, dt: [0.0] * N, "1-D"), (lambda N, dt: np.ones(N, np.int64), "1-D")])
+def test_gemm_refuses_a_bias_that_does_not_fit(bad, match):
+    a, b = np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)
+    with pytest.raises(ValueError, match=match):
+        _blas.gemm(a, b, bias=bad(5, np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.ones(5, np.float32), np.ones((2, 3), np.int64),
+                                 np.ones((2, 3), np.float16), [[1.0]], np.ones((2, 2, 2), np.float32)])
+def test_column_sum_refuses_what_it_cannot_sum(bad):
+    with pytest.raises(TypeError, match="2-D float32 or float64"):
+        _blas.column_sum(bad)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

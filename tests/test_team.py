@@ -91,6 +91,24 @@ def _gemm_transposed(dtype):
     return lambda: _blas.gemm(a.T, b.T, num_threads=mt.get_num_threads())
 
 
+def _gemm_bias(dtype):
+    """The linear layer's gemm, its bias added by each block (both splits)."""
+    r = _rng()
+    a = r.standard_normal((1001, 257)).astype(dtype)
+    b = r.standard_normal((131, 257)).astype(dtype)
+    wide = r.standard_normal((1003, 257)).astype(dtype)
+    bias, bias_wide = r.standard_normal(131).astype(dtype), r.standard_normal(1003).astype(dtype)
+    n = mt.get_num_threads
+    return lambda: np.concatenate([_blas.gemm(a, b.T, num_threads=n(), bias=bias).ravel(),
+                                   _blas.gemm(a[:37], wide.T, num_threads=n(), bias=bias_wide).ravel()])
+
+
+def _column_sum(dtype):
+    r = _rng()
+    g = r.standard_normal((1001, 131)).astype(dtype)
+    return lambda: _blas.column_sum(g, num_threads=mt.get_num_threads())
+
+
 def _batched_gemm(dtype):
     r = _rng()
     a = r.standard_normal((7, 129, 67)).astype(dtype)
@@ -161,7 +179,7 @@ def _embedding(dtype):
     return _grads(lambda ids, w: F.embedding(ids, w), ids, w)
 
 
-KERNELS = [_gemm, _gemm_small_blocks, _gemm_wide, _gemm_transposed, _batched_gemm, _sum_of_squares, _layer_norm, _rms_norm,
+KERNELS = [_gemm, _gemm_small_blocks, _gemm_wide, _gemm_transposed, _gemm_bias, _column_sum, _batched_gemm, _sum_of_squares, _layer_norm, _rms_norm,
            _linear, _attention, _cross_entropy, _pointwise, _embedding]
 
 

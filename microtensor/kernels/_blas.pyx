@@ -257,9 +257,11 @@ def pin_blas_threads():
 @cython.wraparound(False)
 cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
                      real* a, int lda, real* b, int ldb, real beta,
-                     real* c, int nthreads) noexcept nogil:
-    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C, split into nthreads blocks
-    of C's rows (M >= N) or of its columns (M < N), run by the team.
+                     real* c, int nthreads, const real* bias=NULL) noexcept nogil:
+    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C (+ bias on every row, when
+    given: each block adds it to the part of C it just wrote, while that is in cache),
+    split into nthreads blocks of C's rows (M >= N) or of its columns (M < N), run by the
+    team.
 
     a: A's storage; ta = 'N' when it is (M, K) row-major, 'T' when it is (K, M).
     b: B's storage; tb = 'N' when it is (K, N) row-major, 'T' when it is (N, K).
@@ -269,6 +271,8 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
     repacks A (M x K), and the smaller is repacked. That matters most when the team is
     smaller than the split (a busy machine: one thread runs every block)."""
     cdef int chunk, i, r0, rows, nchunks
+    cdef Py_ssize_t r, j
+    cdef real* crow
     cdef char fa, fb
     cdef real* a_block
     cdef real* b_block
@@ -288,6 +292,11 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
                 a_block = a + (<Py_ssize_t>r0 * lda if ta == b'N' else r0)
                 rowmajor_gemm(fa, fb, rows, N, K, alpha, a_block, lda, b, ldb,
                               beta, c + <Py_ssize_t>r0 * N, N)
+                if bias != NULL:
+                    for r in range(r0, r0 + rows):
+                        crow = c + r * N
+                        for j in range(N):
+                            crow[j] = crow[j] + bias[j]
     else:
         # column blocks of a multiple of 16 (whole vector tiles of the gemm's kernel)
         nchunks = nthreads if N >= 16 * nthreads else 1
@@ -300,6 +309,11 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
             b_block = b + (r0 if tb == b'N' else <Py_ssize_t>r0 * ldb)
             rowmajor_gemm(fa, fb, M, rows, K, alpha, a, lda, b_block, ldb,
                           beta, c + r0, N)
+            if bias != NULL:
+                for r in range(M):
+                    crow = c + r * N
+                    for j in range(r0, r0 + rows):
+                        crow[j] = crow[j] + bias[j]
 
 
 cdef tuple _gemm_storage(object x):
@@ -312,11 +326,14 @@ cdef tuple _gemm_storage(object x):
     return np.ascontiguousarray(x), False
 
 
-def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
-    """out = a @ b (+ beta * out) for 2-D float32/float64 arrays of one dtype.
+def gemm(a, b, out=None, double beta=0.0, int num_threads=1, bias=None):
+    """out = a @ b (+ beta * out) (+ bias on every row) for 2-D float32/float64 arrays of
+    one dtype.
 
     a (M, K) and b (K, N) may be contiguous or transposed views of contiguous arrays;
-    `out` (M, N), when given, must be C-contiguous."""
+    `out` (M, N), when given, must be C-contiguous; `bias`, when given, a 1-D array of N
+    of the same dtype (a linear layer's bias, added by each block as it finishes: no
+    second pass over out)."""
     if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
         raise TypeError(f"gemm takes numpy arrays, got {type(a).__name__} and {type(b).__name__}")
     if a.ndim != 2 or b.ndim != 2:
@@ -333,6 +350,13 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
           or not out.flags.c_contiguous or not out.flags.writeable):
         raise ValueError(f"gemm: out must be a writeable C-contiguous {a.dtype} array of shape "
                          f"{(M, N)}")
+    if bias is not None:
+        if (not isinstance(bias, np.ndarray) or bias.ndim != 1 or bias.shape[0] != N
+                or bias.dtype != a.dtype):
+            raise ValueError(f"gemm: bias must be a 1-D {a.dtype} array of {N}, got "
+                             f"{getattr(bias, 'dtype', type(bias).__name__)} "
+                             f"{getattr(bias, 'shape', '')}")
+        bias = np.ascontiguousarray(bias)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -340,6 +364,8 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
             out[...] = 0
         else:
             out *= beta
+        if bias is not None:
+            out += bias
         return out
     a_st, ta = _gemm_storage(a)
     b_st, tb = _gemm_storage(b)
@@ -358,14 +384,78 @@ def gemm(a, b, out=None, double beta=0.0, int num_threads=1):
     cdef float[:, ::1] fc
     cdef const double[:, ::1] da, db
     cdef double[:, ::1] dc
+    cdef const float[::1] fbias
+    cdef const double[::1] dbias
+    cdef const float* fbias_p = NULL
+    cdef const double* dbias_p = NULL
     if a.dtype.itemsize == 4:
         fa, fb, fc = a_st, b_st, out
+        if bias is not None:
+            fbias = bias
+            fbias_p = &fbias[0]
         _gemm_rows[float](cta, ctb, M, N, K, 1.0, <float*>&fa[0, 0], lda, <float*>&fb[0, 0], ldb,
-                          <float>beta, &fc[0, 0], nthreads)
+                          <float>beta, &fc[0, 0], nthreads, fbias_p)
     else:
         da, db, dc = a_st, b_st, out
+        if bias is not None:
+            dbias = bias
+            dbias_p = &dbias[0]
         _gemm_rows[double](cta, ctb, M, N, K, 1.0, <double*>&da[0, 0], lda, <double*>&db[0, 0],
-                           ldb, beta, &dc[0, 0], nthreads)
+                           ldb, beta, &dc[0, 0], nthreads, dbias_p)
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void _column_sum(const real* g, real* out, Py_ssize_t M, Py_ssize_t N,
+                      int nthreads) noexcept nogil:
+    """out[j] = sum over the rows i of g[i, j], the rows added in order (numpy's order for
+    a sum over axis 0), split into blocks of columns: the bits do not depend on the
+    thread count."""
+    cdef Py_ssize_t chunk, c0, c1, i, j
+    cdef int nchunks, k
+    nchunks = nthreads if N >= 16 * nthreads else 1
+    chunk = ((N + nchunks - 1) // nchunks + 15) // 16 * 16
+    nchunks = <int>((N + chunk - 1) // chunk)
+    for k in prange(nchunks, nogil=True, num_threads=team_of(nchunks), schedule="static"):
+        c0 = k * chunk
+        c1 = N if c0 + chunk > N else c0 + chunk
+        for j in range(c0, c1):
+            out[j] = 0
+        for i in range(M):
+            for j in range(c0, c1):
+                out[j] = out[j] + g[i * N + j]
+
+
+_COLUMN_SUM_PARALLEL_MIN = 1 << 16
+
+
+def column_sum(g, int num_threads=1):
+    """The sum over the rows of a 2-D float32/float64 array (a linear layer's db from its
+    upstream gradient), as np.sum(g, axis=0) adds them (rows in order), on the team."""
+    if not isinstance(g, np.ndarray) or g.ndim != 2 or g.dtype.kind != "f" \
+            or g.dtype.itemsize not in (4, 8):
+        raise TypeError(f"column_sum takes a 2-D float32 or float64 array, got "
+                        f"{getattr(g, 'dtype', type(g).__name__)} {getattr(g, 'shape', '')}")
+    g = np.ascontiguousarray(g)
+    cdef Py_ssize_t M = g.shape[0], N = g.shape[1]
+    out = np.empty(N, dtype=g.dtype)
+    if N == 0:
+        return out
+    cdef int nthreads = threads_for(<double>M * N, _COLUMN_SUM_PARALLEL_MIN, num_threads)
+    cdef const float[:, ::1] fg
+    cdef float[::1] fo
+    cdef const double[:, ::1] dg
+    cdef double[::1] do
+    if M == 0:
+        out[...] = 0
+        return out
+    if g.dtype.itemsize == 4:
+        fg, fo = g, out
+        _column_sum[float](&fg[0, 0], &fo[0], M, N, nthreads)
+    else:
+        dg, do = g, out
+        _column_sum[double](&dg[0, 0], &do[0], M, N, nthreads)
     return out
 
 

@@ -54,7 +54,7 @@ class LinearBackward(FusedNode):
         if _wants_grad(self, 1):
             dw = _blas.gemm(g2d.T, x2d, num_threads=nt)  # NOTE: .T is a view, passed as a 'T' flag
         if len(self.inputs) > 2 and _wants_grad(self, 2):
-            db = g2d.sum(axis=0)
+            db = _blas.column_sum(g2d, num_threads=nt)          # g's rows added in order
         return (dx, dw, db)
 
     def composite(self, x, w, b=None):
@@ -82,9 +82,9 @@ def linear(input, weight, bias=None):
                          f"(expected ({w.shape[0]},))")
     M = math.prod(x.shape[:-1])
     x2d = x.reshape(M, w.shape[1])                      # (M, in); a view when x is contiguous
-    out2d = _blas.gemm(x2d, w.T, num_threads=_core.get_num_threads())   # (M, out); w.T as a flag
-    if b is not None:
-        out2d += b
+    # (M, out) = x2d @ w.T (+ b): w.T as a flag, the bias added by each of the gemm's
+    # blocks as it finishes (no second pass over the output)
+    out2d = _blas.gemm(x2d, w.T, num_threads=_core.get_num_threads(), bias=b)
     out = wrap(out2d.reshape(x.shape[:-1] + (w.shape[0],)))
     inputs = (input, weight) if bias is None else (input, weight, bias)
     if needs_graph(inputs):
