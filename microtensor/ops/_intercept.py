@@ -18,7 +18,9 @@ from microtensor.core import _core
 _PLUMBING = {
     "is_grad_enabled", "set_anomaly_enabled_", "is_anomaly_enabled",
     "get_num_threads", "set_backward_profiler", "wrap", "needs_graph", "attach", "as_dtype",
-    "register_op", "registered_ops", "register_tensor_method", "registered_tensor_methods",
+    "register_op", "register_ops", "registered_ops", "register_tensor_method",
+    "registered_tensor_methods", "register_create_graph_rule", "get_create_graph_rule",
+    "register_dtypes_and_device",
     "replace_tensor_method", "op_function", "set_capture_hook", "capture_read",
 }
 # creation, random state and modes: a profile leaves them out (they are not the step's
@@ -33,8 +35,9 @@ _op_modules = []      # (module, label prefix), registered by the layers above t
 
 
 def register_ops(module, prefix):
-    """Wrap the public functions defined in `module` too, labelled `prefix + name`
-    (microtensor.nn registers nn.functional as "F.")."""
+    """Wrap the public functions defined in `module` too, labelled `prefix + name`, for
+    functions that are not ops but must be timed or recorded (microtensor.nn registers
+    nn.init as "nn.init.": its fills draw random numbers a replay must draw again)."""
     if all(m is not module for m, _ in _op_modules):
         _op_modules.append((module, prefix))
 
