@@ -2,7 +2,7 @@
 # g)` method, beside its `backward`, computes the same gradients with differentiable
 # ops, so that create_graph=True can differentiate them again (the engine's entry point
 # is microtensor/autograd/higher_order.py). The rules of the Python nodes (nn.functional,
-# ops_extra, ...) import these from microtensor.autograd.graph_rules.
+# ops/extra.py, ...) import these from microtensor.autograd.graph_rules.
 #
 # A rule reads the live input tensors (node.inputs) wherever the gradient depends on an
 # input's value, so that the second derivative flows back into that input; the arrays a

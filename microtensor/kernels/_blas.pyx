@@ -253,6 +253,14 @@ def pin_blas_threads():
 
 # ---- the kernel ---------------------------------------------------------------------
 
+cdef inline Py_ssize_t _column_chunk(Py_ssize_t N, int nthreads) noexcept nogil:
+    """The width of each block when N columns are split for nthreads: a multiple of 16
+    (whole vector tiles of the gemm's kernel), and all N columns in one block when there
+    are fewer than 16 per thread."""
+    cdef Py_ssize_t n = nthreads if N >= 16 * nthreads else 1
+    return ((N + n - 1) // n + 15) // 16 * 16
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
@@ -298,9 +306,7 @@ cdef void _gemm_rows(char ta, char tb, int M, int N, int K, real alpha,
                         for j in range(N):
                             crow[j] = crow[j] + bias[j]
     else:
-        # column blocks of a multiple of 16 (whole vector tiles of the gemm's kernel)
-        nchunks = nthreads if N >= 16 * nthreads else 1
-        chunk = ((N + nchunks - 1) // nchunks + 15) // 16 * 16
+        chunk = <int>_column_chunk(N, nthreads)
         nchunks = (N + chunk - 1) // chunk
         for i in prange(nchunks, nogil=True, num_threads=team_of(nchunks), schedule="static"):
             r0 = i * chunk
@@ -414,8 +420,7 @@ cdef void _column_sum(const real* g, real* out, Py_ssize_t M, Py_ssize_t N,
     thread count."""
     cdef Py_ssize_t chunk, c0, c1, i, j
     cdef int nchunks, k
-    nchunks = nthreads if N >= 16 * nthreads else 1
-    chunk = ((N + nchunks - 1) // nchunks + 15) // 16 * 16
+    chunk = _column_chunk(N, nthreads)
     nchunks = <int>((N + chunk - 1) // chunk)
     for k in prange(nchunks, nogil=True, num_threads=team_of(nchunks), schedule="static"):
         c0 = k * chunk

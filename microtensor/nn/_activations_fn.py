@@ -69,9 +69,7 @@ def normal_cdf(x):
     """Phi(x) = (1 + erf(x / sqrt 2)) / 2, differentiable to any order (in gelu's composite)."""
     out = wrap(np.asarray(scipy.special.ndtr(x._data), dtype=x._data.dtype))
     if needs_graph((x,)):
-        node = NormalCdfBackward()
-        node.x = x._data
-        attach(out, node, (x,))
+        attach(out, NormalCdfBackward(), (x,))
     return out
 
 

@@ -374,7 +374,7 @@ def mse_loss(input, target, reduction="mean"):
     inputs = (input, target)
     if needs_graph(inputs):
         node = MSELossBackward()
-        node.diff, node.reduction, node.a_shape, node.b_shape = diff, reduction, a.shape, b.shape
+        node.reduction, node.a_shape, node.b_shape = reduction, a.shape, b.shape
         attach(out, node, inputs)
     return out
 

@@ -201,7 +201,7 @@ def atan2(input, other):
     out = wrap(np.asarray(y))
     if needs_graph((ta, tb)):
         node = Atan2Backward()
-        node.a, node.b, node.a_shape, node.b_shape = a, b, a.shape, b.shape
+        node.a_shape, node.b_shape = a.shape, b.shape
         attach(out, node, (ta, tb))
     return out
 
@@ -302,7 +302,7 @@ def cumsum(input, dim, dtype=None):
     out = wrap(y.reshape(t._data.shape))
     if needs_graph((t,)) and y.dtype.kind == "f":
         node = CumsumBackward()
-        node.dim, node.dtype, node.shape, node.shape1 = d, t._data.dtype, t._data.shape, a.shape
+        node.dim, node.shape, node.shape1 = d, t._data.shape, a.shape
         attach(out, node, (t,))
     return out
 

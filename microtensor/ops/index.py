@@ -147,7 +147,7 @@ def _scatter(op, input, dim, index, src, add):
     if needs_graph(inputs):
         node = ScatterBackward()
         node.key, node.src_key, node.add = key, src_key, add
-        node.dtype, node.src_shape = y.dtype, src_array.shape
+        node.src_shape = src_array.shape
         attach(out, node, inputs)
     return out
 

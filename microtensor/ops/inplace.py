@@ -10,8 +10,8 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.core._core import wrap, register_op, register_ops
-from microtensor.ops import extra as ops_extra
-from microtensor.ops import index as ops_index
+from microtensor.ops import extra as _extra
+from microtensor.ops import index as _index
 
 
 def _guard(self, op):
@@ -37,17 +37,17 @@ def _inplace(name, fn):
 
 
 _OUT_OF_PLACE = {
-    "masked_fill_": _core.masked_fill, "scatter_": ops_index.scatter,
-    "scatter_add_": ops_index.scatter_add, "index_fill_": ops_index.index_fill,
-    "index_add_": ops_index.index_add, "pow_": _core.pow, "relu_": _core.relu,
+    "masked_fill_": _core.masked_fill, "scatter_": _index.scatter,
+    "scatter_add_": _index.scatter_add, "index_fill_": _index.index_fill,
+    "index_add_": _index.index_add, "pow_": _core.pow, "relu_": _core.relu,
     "sigmoid_": _core.sigmoid, "tanh_": _core.tanh, "exp_": _core.exp, "log_": _core.log,
-    "sqrt_": _core.sqrt, "abs_": _core.abs, "neg_": _core.neg, "sin_": ops_extra.sin,
-    "cos_": ops_extra.cos, "floor_": ops_extra.floor, "ceil_": ops_extra.ceil,
-    "round_": ops_extra.round, "trunc_": ops_extra.trunc, "sign_": ops_extra.sign,
-    "reciprocal_": ops_extra.reciprocal, "square_": ops_extra.square,
-    "clamp_min_": ops_extra.clamp_min, "clamp_max_": ops_extra.clamp_max,
-    "cumsum_": ops_extra.cumsum, "lerp_": ops_extra.lerp, "log1p_": ops_extra.log1p,
-    "expm1_": ops_extra.expm1, "rsqrt_": ops_extra.rsqrt,
+    "sqrt_": _core.sqrt, "abs_": _core.abs, "neg_": _core.neg, "sin_": _extra.sin,
+    "cos_": _extra.cos, "floor_": _extra.floor, "ceil_": _extra.ceil,
+    "round_": _extra.round, "trunc_": _extra.trunc, "sign_": _extra.sign,
+    "reciprocal_": _extra.reciprocal, "square_": _extra.square,
+    "clamp_min_": _extra.clamp_min, "clamp_max_": _extra.clamp_max,
+    "cumsum_": _extra.cumsum, "lerp_": _extra.lerp, "log1p_": _extra.log1p,
+    "expm1_": _extra.expm1, "rsqrt_": _extra.rsqrt,
 }
 
 
