@@ -334,6 +334,76 @@ def test_attention_noncontiguous_and_broadcast_inputs():
     assert mt.gradcheck(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), (q, k, v))
 
 
+def _heads_of_projection(qkv, B, T, C, nh):
+    """The GPT's head split of a (B, T, 3C) projection: views, no copy."""
+    q, k, v = qkv.split(C, dim=2)
+    return [t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B, T, C, nh", [(2, 37, 12, 3), (3, 1, 8, 2), (1, 70, 16, 1)])
+def test_attention_reads_the_heads_where_the_projection_wrote_them(B, T, C, nh, causal):
+    # q, k, v as strided views of one (B, T, 3C) array (rows 3C apart, heads hs apart):
+    # the kernels read them in place and must give what contiguous copies give, values
+    # and gradients, and the output must lie as (B, T, nh, hs) (y.transpose(1, 2) is
+    # contiguous, as torch's)
+    qkv = randn(B, T, 3 * C)
+    q, k, v = _heads_of_projection(qkv, B, T, C, nh)
+    assert not q.is_contiguous()
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert y.shape == (B, nh, T, C // nh)
+    assert y.transpose(1, 2).is_contiguous()
+    copies = [mt.tensor(np.ascontiguousarray(t.numpy()), requires_grad=True) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*copies, is_causal=causal)
+    np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(y.numpy(), ref_attention(q.numpy(), k.numpy(), v.numpy(),
+                                                        is_causal=causal), rtol=1e-10, atol=1e-12)
+    up = RNG.standard_normal(y.shape)
+    # the upstream gradient as the model hands it: a (B, T, C) array seen as (B, nh, T, hs)
+    g = mt.tensor(np.ascontiguousarray(up.transpose(0, 2, 1, 3))).transpose(1, 2)
+    y.backward(g)
+    want.backward(mt.tensor(up))
+    got = qkv.grad.numpy().reshape(B, T, 3, nh, C // nh)
+    for i, t in enumerate(copies):
+        np.testing.assert_allclose(got[:, :, i].transpose(0, 2, 1, 3), t.grad.numpy(),
+                                   rtol=1e-11, atol=1e-13)
+    assert mt.gradcheck(lambda x: F.scaled_dot_product_attention(
+        *_heads_of_projection(x, B, T, C, nh), is_causal=causal), (randn(B, T, 3 * C),))
+
+
+_LAYOUTS = {
+    "reversed_rows": ((2, 3, 6, 4), lambda t: t.flip(2)),
+    "strided_last_dim": ((2, 3, 6, 8), lambda t: t[..., ::2]),
+    "broadcast_rows": ((2, 3, 1, 4), lambda t: t.expand(2, 3, 6, 4)),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_attention_copies_what_the_kernels_cannot_read_in_place(layout):
+    # rows that run backwards, elements not adjacent in a row, every row the same one:
+    # no gemm can walk them, so the op hands the kernels a copy (values and gradients as
+    # for a contiguous input)
+    shape, make = _LAYOUTS[layout]
+    base = randn(*shape)
+    q = make(base)
+    k, v = randn(2, 3, 6, 4), randn(2, 3, 6, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(y.numpy(), ref_attention(q.numpy(), k.numpy(), v.numpy(),
+                                                        is_causal=True), rtol=1e-10, atol=1e-12)
+    assert mt.gradcheck(lambda a, b, c: F.scaled_dot_product_attention(make(a), b, c, is_causal=True),
+                        (base, k, v))
+    # the same layouts for the upstream gradient (a broadcast one from y.sum())
+    for up in (mt.ones(()).expand(*y.shape), make(randn(*shape, requires_grad=False))):
+        if up.shape != y.shape:
+            continue
+        q2 = mt.tensor(q.numpy(), requires_grad=True)
+        F.scaled_dot_product_attention(q2, k, v, is_causal=True).backward(up)
+        q3 = mt.tensor(q.numpy(), requires_grad=True)
+        F.scaled_dot_product_attention(q3, k, v, is_causal=True).backward(
+            mt.tensor(np.ascontiguousarray(up.numpy())))
+        np.testing.assert_allclose(q2.grad.numpy(), q3.grad.numpy(), rtol=1e-12, atol=1e-14)
+
+
 def test_attention_fully_masked_row_gives_zeros():
     q, k, v = randn(1, 1, 3, 2), randn(1, 1, 4, 2), randn(1, 1, 4, 2)
     mask = np.ones((3, 4), bool)

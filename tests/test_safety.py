@@ -1162,15 +1162,17 @@ def test_fused_kernels_refuse_out_of_range_indices():
 
 def test_attention_kernels_check_shapes_and_mask_index():
     A = F._kernels.attention
-    q, k, v = np.zeros((2, 3, 4)), np.zeros((2, 5, 4)), np.zeros((2, 5, 6))
-    out, rowmax, logsum = np.zeros((2, 3, 6)), np.zeros((2, 3)), np.zeros((2, 3))
+    q, k, v = np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 5, 4)), np.zeros((1, 2, 5, 6))
+    out, rowmax, logsum = np.zeros((1, 2, 3, 6)), np.zeros((2, 3)), np.zeros((2, 3))
     mask, index = np.zeros((1, 3, 5)), np.zeros(2, np.int64)
     args = (False, False, 0.5, 0.0, 0, 64, 1)
     A.attention_forward(out, rowmax, logsum, q, k, v, mask, index, *args)       # the good call
     with pytest.raises(ValueError, match="do not fit"):
-        A.attention_forward(out, rowmax, logsum, q, np.zeros((2, 6, 4)), v, mask, index, *args)
+        A.attention_forward(out, rowmax, logsum, q, np.zeros((1, 2, 6, 4)), v, mask, index, *args)
+    with pytest.raises(ValueError, match="do not fit"):
+        A.attention_forward(out, rowmax, logsum, q, np.zeros((2, 1, 5, 4)), v, mask, index, *args)
     with pytest.raises(ValueError, match="out"):
-        A.attention_forward(np.zeros((2, 3, 5)), rowmax, logsum, q, k, v, mask, index, *args)
+        A.attention_forward(np.zeros((1, 2, 3, 5)), rowmax, logsum, q, k, v, mask, index, *args)
     with pytest.raises(IndexError, match="mask_index"):
         A.attention_forward(out, rowmax, logsum, q, k, v, mask, np.array([0, 1]), True, *args[1:])
     with pytest.raises(ValueError, match="block"):
@@ -1178,6 +1180,59 @@ def test_attention_kernels_check_shapes_and_mask_index():
     with pytest.raises(ValueError, match="dmask"):
         A.attention_backward(np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), out, q, k, v,
                              rowmax, logsum, mask, index, *args, np.zeros((2, 3, 4)))
+
+
+def _attention_operands():
+    """The operands of a good attention_backward call, by name (float64, (1, 2, T, d))."""
+    return dict(dq=np.zeros((1, 2, 3, 4)), dk=np.zeros((1, 2, 5, 4)), dv=np.zeros((1, 2, 5, 6)),
+                dout=np.ones((1, 2, 3, 6)), q=np.ones((1, 2, 3, 4)), k=np.ones((1, 2, 5, 4)),
+                v=np.ones((1, 2, 5, 6)))
+
+
+def _bad_rows(a, how):
+    """a's values in a layout the kernels must refuse: rows that overlap, run backwards,
+    or elements that are not contiguous in a row."""
+    B1, B2, T, d = a.shape
+    if how == "overlap":          # each row starts one element after the last one
+        base = np.zeros(B1 * B2 * T + d + 1)
+        return np.lib.stride_tricks.as_strided(base, a.shape, (0, T * 8, 8, 8))
+    if how == "reversed":
+        return np.ascontiguousarray(a[:, :, ::-1])[:, :, ::-1]
+    return np.repeat(a, 2, axis=3)[..., ::2]              # "strided": elements 2 apart
+
+
+@pytest.mark.parametrize("how", ["overlap", "reversed", "strided"])
+@pytest.mark.parametrize("name", ["dq", "dk", "dv", "dout", "q", "k", "v"])
+def test_attention_kernels_refuse_rows_they_cannot_hand_to_blas(name, how):
+    # the kernels read and write every (T, d) operand at its own strides (the heads of a
+    # qkv projection, where they lie): a layout whose rows a gemm cannot walk is refused,
+    # one operand at a time, in both kernels
+    A = F._kernels.attention
+    ops = _attention_operands()
+    rowmax, logsum = np.zeros((2, 3)), np.zeros((2, 3))
+    mask, index = np.zeros((1, 3, 5)), np.zeros(2, np.int64)
+    args = (False, False, 0.5, 0.0, 0, 64, 1)
+    fwd = lambda o: A.attention_forward(np.zeros((1, 2, 3, 6)), rowmax, logsum, o["q"], o["k"],
+                                        o["v"], mask, index, *args)
+    bwd = lambda o: A.attention_backward(o["dq"], o["dk"], o["dv"], o["dout"], o["q"], o["k"],
+                                         o["v"], rowmax, logsum, mask, index, *args)
+    fwd(ops)
+    bwd(ops)                                             # the good calls
+    ops[name] = _bad_rows(ops[name], how)
+    with pytest.raises(ValueError, match=f"(rows|last dim) of {name} "):
+        bwd(ops)
+    if name in ("q", "k", "v"):
+        with pytest.raises(ValueError, match=f"(rows|last dim) of {name} "):
+            fwd(ops)
+
+
+def test_attention_forward_refuses_an_output_whose_rows_overlap():
+    A = F._kernels.attention
+    q, k, v = np.ones((1, 2, 3, 4)), np.ones((1, 2, 5, 4)), np.ones((1, 2, 5, 6))
+    out = np.lib.stride_tricks.as_strided(np.zeros(64), (1, 2, 3, 6), (0, 24, 8, 8))
+    with pytest.raises(ValueError, match="rows of out"):
+        A.attention_forward(out, np.zeros((2, 3)), np.zeros((2, 3)), q, k, v, np.zeros((1, 3, 5)),
+                            np.zeros(2, np.int64), False, False, 0.5, 0.0, 0, 64, 1)
 
 
 @pytest.mark.parametrize("n", [0, -5, 2 ** 31 - 1])

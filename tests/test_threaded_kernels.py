@@ -80,6 +80,14 @@ _TARGETS = _rng().integers(0, 37, ROWS)
 _TARGETS[::5] = -100                                      # some rows ignored
 _IDS = _rng().integers(0, 50, ROWS)
 
+def _sdpa_of_heads(qkv, sdpa, nh=3):
+    """The GPT's attention on a (B, T, 3C) projection (same code for both engines)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in qkv.split(C, dim=2))
+    return sdpa(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+
+
 OPS = {
     # memory-bound kernels: above 2**18 elements (1031 x 300 = 309,300)
     "layer_norm": (lambda r: [r.standard_normal((ROWS, 300)), r.standard_normal(300),
@@ -125,6 +133,12 @@ OPS = {
                          lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                          lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True),
                          ["attention_forward", "attention_backward"]),
+    # the GPT's heads, read where a (B, T, 3C) projection wrote them: 5 x 3 = 15 (b, h)
+    # pairs over 2 or 3 threads, rows 3C apart, the output written as (B, T, nh, hs)
+    "attention_projection_heads": (lambda r: [r.standard_normal((5, 70, 3 * 48))],
+                                   lambda x: _sdpa_of_heads(x, F.scaled_dot_product_attention),
+                                   lambda x: _sdpa_of_heads(x, TF.scaled_dot_product_attention),
+                                   ["attention_forward", "attention_backward"]),
     # the core's kernels (kernels/core_kernels.pxi)
     "relu": (_flat(), mt.relu, torch.relu, []),
     "sigmoid": (_flat(), mt.sigmoid, torch.sigmoid, []),

@@ -1,8 +1,13 @@
 # cython: embedsignature=True, wraparound=True
 """Fused scaled-dot-product attention: a forward/backward kernel pair.
 
-Shapes (the Python side flattens the batch dims into one BH axis and checks them):
-    q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv), out / dout (BH, Tq, hv)
+Shapes (the Python side folds the batch dims into two, B1 x B2 = BH pairs (b, h)):
+    q (B1, B2, Tq, hs), k (B1, B2, Tk, hs), v (B1, B2, Tk, hv), out / dout (B1, B2, Tq, hv)
+        each row contiguous, the rows and the two batch dims at any stride: q, k and v
+        are read where they lie (the heads of a (B, T, 3C) projection, `qkv.split(C, 2)`
+        viewed as (B, T, nh, hs) and transposed, are read with no copy), and out is
+        written where it lies (a (B, T, nh, hv) array viewed as (B, nh, T, hv), so that
+        `y.transpose(1, 2)` is (B, T, C) in order, with no copy)
     rowmax, logsum (BH, Tq): the log-sum-exp of each row of scores as the pair
         (m, s) of kernels/_fused_math.pxi (lse = m + s, never added up), all backward keeps of
         softmax: P = exp((S - m) - s)
@@ -99,7 +104,8 @@ def attention_dropout_mask(real[:, :, ::1] keep, unsigned long long seed, double
                         keep[bh, i, j] = 0
 
 
-cdef inline void _scores_block(real* S, const real* qb, const real* kb, const real* mrow0,
+cdef inline void _scores_block(real* S, const real* qb, int ldq, const real* kb, int ldk,
+                               const real* mrow0,
                                Py_ssize_t i0, Py_ssize_t nb, Py_ssize_t kmax, Py_ssize_t Tk,
                                int hs, real scale, bint has_mask, bint is_causal,
                                bint full) noexcept nogil:
@@ -108,7 +114,7 @@ cdef inline void _scores_block(real* S, const real* qb, const real* kb, const re
     NaN or +inf score there turns into NaN)."""
     cdef Py_ssize_t r, j, i, ncol
     cdef real* row
-    gemm(c'N', c'T', <int>nb, <int>kmax, hs, scale, qb, hs, kb, hs, <real>0, S, <int>kmax)
+    gemm(c'N', c'T', <int>nb, <int>kmax, hs, scale, qb, ldq, kb, ldk, <real>0, S, <int>kmax)
     for r in range(nb):
         i = i0 + r
         row = S + r * kmax
@@ -133,9 +139,21 @@ cdef inline double _abs_bound(const real* x, Py_ssize_t n) noexcept nogil:
     return sqrt(row_dot(x, x, n))
 
 
-cdef inline bint _causal_needs_full(const real* q, Py_ssize_t nq, const real* k, Py_ssize_t nk,
-                                    const real* v, Py_ssize_t nv, int hs, double scale,
-                                    const real* dout, Py_ssize_t nd, int hv) noexcept nogil:
+cdef inline double _abs_bound_rows(const real* x, Py_ssize_t rows, int cols, int ld) noexcept nogil:
+    """_abs_bound over `rows` rows of `cols` elements, `ld` elements apart."""
+    cdef double total = 0
+    cdef Py_ssize_t r
+    if ld == cols:
+        return _abs_bound(x, rows * cols)
+    for r in range(rows):
+        total += row_dot(x + r * ld, x + r * ld, cols)
+    return sqrt(total)
+
+
+cdef inline bint _causal_needs_full(const real* q, Py_ssize_t Tq, int ldq, const real* k,
+                                    Py_ssize_t Tk, int ldk, const real* v, int ldv, int hs,
+                                    double scale, const real* dout, int ldd,
+                                    int hv) noexcept nogil:
     """True when a masked entry of this (b, h) could be NaN in torch's computation, which
     adds -inf to the masked scores and then multiplies by their zero probabilities: a
     score that is NaN or overflows (from q, k), 0 * inf in P @ v (an inf in v), and in
@@ -143,13 +161,14 @@ cdef inline bint _causal_needs_full(const real* q, Py_ssize_t nq, const real* k,
     Then every key is computed, as torch does (see top)."""
     cdef double limit = 0.25 * (FLT_MAX if real is float else DBL_MAX)
     cdef double sc = scale if scale >= 0 else -scale
-    cdef double mv = _abs_bound(v, nv), md
-    if not (_abs_bound(q, nq) * _abs_bound(k, nk) * hs * (sc if sc > 1 else 1.0) < limit):
+    cdef double mv = _abs_bound_rows(v, Tk, hv, ldv), md
+    if not (_abs_bound_rows(q, Tq, hs, ldq) * _abs_bound_rows(k, Tk, hs, ldk) * hs
+            * (sc if sc > 1 else 1.0) < limit):
         return True
     if not (mv < limit):
         return True
     if dout != NULL:
-        md = _abs_bound(dout, nd)
+        md = _abs_bound_rows(dout, Tq, hv, ldd)
         if not (md < limit and md * mv * hv < limit):
             return True
     return False
@@ -164,12 +183,13 @@ cdef inline bint _has_nan(const real* x, Py_ssize_t n) noexcept nogil:
 
 
 cdef _check_attention(str kernel, Py_ssize_t BH, Py_ssize_t Tq, Py_ssize_t Tk, Py_ssize_t hs,
-                      Py_ssize_t hv, tuple k_shape, tuple v_shape, tuple mask_shape,
-                      const long long[::1] mask_index, bint has_mask, int block):
+                      Py_ssize_t hv, tuple q_batch, tuple k_shape, tuple v_shape,
+                      tuple mask_shape, const long long[::1] mask_index, bint has_mask,
+                      int block):
     """The shapes the kernels rely on (bounds checks are off inside)."""
     cdef Py_ssize_t bh
-    if k_shape != (BH, Tk, hs) or v_shape[:2] != (BH, Tk):
-        raise ValueError(f"{kernel}: q ({BH}, {Tq}, {hs}), k {k_shape} and v {v_shape} do not fit")
+    if k_shape != q_batch + (Tk, hs) or v_shape[:3] != q_batch + (Tk,):
+        raise ValueError(f"{kernel}: q {q_batch + (Tq, hs)}, k {k_shape} and v {v_shape} do not fit")
     if Tq < 1 or Tk < 1 or hs < 1 or hv < 1 or block < 1:
         raise ValueError(f"{kernel}: needs Tq, Tk, head sizes and block >= 1, got Tq={Tq}, "
                          f"Tk={Tk}, hs={hs}, hv={hv}, block={block}")
@@ -185,6 +205,25 @@ cdef _check_attention(str kernel, Py_ssize_t BH, Py_ssize_t Tq, Py_ssize_t Tk, P
                                  f"{mask_shape[0]} mask slabs")
 
 
+cdef int _row_step(str kernel, str name, Py_ssize_t* strides, Py_ssize_t rows,
+                   Py_ssize_t cols, Py_ssize_t itemsize) except -1:
+    """The distance between two rows of a (B1, B2, rows, cols) operand, in elements: the
+    BLAS leading dimension. Each row must be contiguous, and the rows whole elements
+    apart, in order and not overlapping (a gemm reads or writes `cols` elements from each
+    row start); the batch dims may lie at any stride. A single row gets `cols`."""
+    cdef Py_ssize_t step = strides[2]
+    if cols > 1 and strides[3] != itemsize:
+        raise ValueError(f"{kernel}: the last dim of {name} is not contiguous (its elements "
+                         f"are {strides[3]} bytes apart; pass a copy with contiguous rows)")
+    if rows <= 1:
+        return <int>cols
+    if step % itemsize or step // itemsize < cols or step // itemsize > 2147483647:
+        raise ValueError(f"{kernel}: the rows of {name} are {step} bytes apart; they must be "
+                         f"whole elements apart, at least its last dim ({cols}) and in order "
+                         "(pass a contiguous copy)")
+    return <int>(step // itemsize)
+
+
 # Parallel threshold (BH * Tq * Tk * hs, the multiply-adds of q @ k^T): forward at one
 # thread, float32, causal, 0.2-0.5 ns a unit on a 2-core Intel Xeon (Sapphire Rapids
 # class; (16, 4, 32, 16) 0.42, (12, 4, 64, 32) 0.21): about 30-60 us at the bound.
@@ -192,13 +231,15 @@ cdef double _ATTENTION_PARALLEL_MIN = 1 << 17
 
 
 @cython.wraparound(False)
-def attention_forward(real[:, :, ::1] out, real[:, ::1] rowmax, real[:, ::1] logsum,
-                      const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
+def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] logsum,
+                      const real[:, :, :, :] q, const real[:, :, :, :] k,
+                      const real[:, :, :, :] v,
                       const real[:, :, ::1] mask, const long long[::1] mask_index,
                       bint has_mask, bint is_causal, double scale, double dropout_p,
                       unsigned long long seed, int block, int num_threads):
-    """q (BH, Tq, hs), k (BH, Tk, hs), v (BH, Tk, hv) -> out (BH, Tq, hv), rowmax and
-    logsum (BH, Tq):  out = softmax(S) @ v,  S = scale * q @ k^T + mask,
+    """q (B1, B2, Tq, hs), k (B1, B2, Tk, hs), v (B1, B2, Tk, hv) -> out (B1, B2, Tq, hv),
+    rowmax and logsum (BH, Tq), BH = B1 B2 in C order:
+    out = softmax(S) @ v,  S = scale * q @ k^T + mask,
     rowmax = max(S),  logsum = log(sum(exp(S - rowmax))) of each row
 
     NOTE: a row with every key masked (every score -inf) gets P = 0 (out = 0),
@@ -206,28 +247,38 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] rowmax, real[:, ::1] log
     (torch also returns 0 for such rows); a row holding a NaN score gets NaN (out = NaN,
     rowmax = logsum = NaN), as torch. A row masked by finfo.min is no such row: its
     scores are finite, and softmax spreads it over the keys as torch does."""
-    cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
-    cdef int hs, hv
-    cdef Py_ssize_t bh, blk, i0, nb, kmax, ncol, r, i, j, rows
+    cdef Py_ssize_t B1 = q.shape[0], B2 = q.shape[1], Tq = q.shape[2], Tk = k.shape[2]
+    cdef Py_ssize_t BH = B1 * B2
+    cdef int hs, hv, ldq, ldk, ldv, ldo
+    cdef Py_ssize_t bh, b1, b2, blk, i0, nb, kmax, ncol, r, i, j, rows
     cdef real* scratch
     cdef real* S = NULL                                  # per-thread block of scores
     cdef real* row
     cdef const real* mrow0
+    cdef const real* qp
+    cdef const real* kp
+    cdef const real* vp
+    cdef real* op
     cdef real mx, inv
     cdef double ssum
     cdef real sc = <real>scale
     cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
     cdef bint full
-    _check_attention("attention_forward", BH, Tq, Tk, q.shape[2], v.shape[2],
-                     (k.shape[0], k.shape[1], k.shape[2]), (v.shape[0], v.shape[1], v.shape[2]), (mask.shape[0], mask.shape[1], mask.shape[2]),
-                     mask_index, has_mask, block)
-    if ((out.shape[0], out.shape[1], out.shape[2]) != (BH, Tq, v.shape[2])
+    _check_attention("attention_forward", BH, Tq, Tk, q.shape[3], v.shape[3], (B1, B2),
+                     (k.shape[0], k.shape[1], k.shape[2], k.shape[3]),
+                     (v.shape[0], v.shape[1], v.shape[2], v.shape[3]),
+                     (mask.shape[0], mask.shape[1], mask.shape[2]), mask_index, has_mask, block)
+    if ((out.shape[0], out.shape[1], out.shape[2], out.shape[3]) != (B1, B2, Tq, v.shape[3])
             or (rowmax.shape[0], rowmax.shape[1]) != (BH, Tq)
             or (logsum.shape[0], logsum.shape[1]) != (BH, Tq)):
-        raise ValueError(f"attention_forward: out {(out.shape[0], out.shape[1], out.shape[2])} / "
+        raise ValueError(f"attention_forward: out {(out.shape[0], out.shape[1], out.shape[2], out.shape[3])} / "
                          f"rowmax {(rowmax.shape[0], rowmax.shape[1])} / logsum "
-                         f"{(logsum.shape[0], logsum.shape[1])} do not fit ({BH}, {Tq}, {v.shape[2]})")
-    hs, hv = <int>q.shape[2], <int>v.shape[2]
+                         f"{(logsum.shape[0], logsum.shape[1])} do not fit ({B1}, {B2}, {Tq}, {v.shape[3]})")
+    hs, hv = <int>q.shape[3], <int>v.shape[3]
+    ldq = _row_step("attention_forward", "q", q.strides, Tq, hs, sizeof(real))
+    ldk = _row_step("attention_forward", "k", k.strides, Tk, hs, sizeof(real))
+    ldv = _row_step("attention_forward", "v", v.strides, Tk, hv, sizeof(real))
+    ldo = _row_step("attention_forward", "out", out.strides, Tq, hv, sizeof(real))
     num_threads = threads_for(<double>BH * Tq * Tk * hs, _ATTENTION_PARALLEL_MIN, num_threads)
     rows = imin(block, Tq)
     if not pin_blas_threads():      # scipy's BLAS threads out of our hands: one thread
@@ -237,15 +288,20 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] rowmax, real[:, ::1] log
         with nogil, parallel(num_threads=num_threads):
             S = scratch + rows * Tk * threadid()
             for bh in prange(BH, schedule="static"):
+                b1 = bh // B2
+                b2 = bh - b1 * B2
+                qp = &q[b1, b2, 0, 0]
+                kp = &k[b1, b2, 0, 0]
+                vp = &v[b1, b2, 0, 0]
+                op = &out[b1, b2, 0, 0]
                 mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
-                full = is_causal and _causal_needs_full(&q[bh, 0, 0], Tq * hs, &k[bh, 0, 0],
-                                                        Tk * hs, &v[bh, 0, 0], Tk * hv, hs, scale,
-                                                        NULL, 0, hv)
+                full = is_causal and _causal_needs_full(qp, Tq, ldq, kp, Tk, ldk, vp, ldv, hs,
+                                                        scale, NULL, 0, hv)
                 for blk in range((Tq + block - 1) // block):
                     i0 = blk * block
                     nb = imin(block, Tq - i0)
                     kmax = imin(Tk, i0 + nb) if is_causal and not full else Tk
-                    _scores_block(S, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
+                    _scores_block(S, qp + i0 * ldq, ldq, kp, ldk, mrow0, i0, nb, kmax, Tk, hs,
                                   sc, has_mask, is_causal, full)
                     for r in range(nb):                       # softmax of each row, in place
                         i = i0 + r
@@ -280,30 +336,33 @@ def attention_forward(real[:, :, ::1] out, real[:, ::1] rowmax, real[:, ::1] log
                                 else:
                                     row[j] = 0
                     # out[i0:i0+nb] = P (nb, kmax) @ v[:kmax] (kmax, hv)
-                    gemm(c'N', c'N', <int>nb, hv, <int>kmax, <real>1, S, <int>kmax, &v[bh, 0, 0], hv,
-                         <real>0, &out[bh, i0, 0], hv)
+                    gemm(c'N', c'N', <int>nb, hv, <int>kmax, <real>1, S, <int>kmax, vp, ldv,
+                         <real>0, op + i0 * ldo, ldo)
     finally:
         free(scratch)
 
 
 @cython.wraparound(False)
-def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] dv,
-                       const real[:, :, ::1] dout,
-                       const real[:, :, ::1] q, const real[:, :, ::1] k, const real[:, :, ::1] v,
+def attention_backward(real[:, :, :, :] dq, real[:, :, :, :] dk, real[:, :, :, :] dv,
+                       const real[:, :, :, :] dout,
+                       const real[:, :, :, :] q, const real[:, :, :, :] k,
+                       const real[:, :, :, :] v,
                        const real[:, ::1] rowmax, const real[:, ::1] logsum,
                        const real[:, :, ::1] mask, const long long[::1] mask_index,
                        bint has_mask, bint is_causal, double scale, double dropout_p,
                        unsigned long long seed, int block, int num_threads,
                        real[:, :, ::1] dmask=None):
-    """dout (BH, Tq, hv) -> dq (BH, Tq, hs) written, dk (BH, Tk, hs) and dv (BH, Tk, hv)
-    accumulated (+=; the caller zeroes them), and, when given, dmask (BH, Tq, Tk) written
-    (the gradient of the additive mask, dS before the scale):
+    """dout (B1, B2, Tq, hv) -> dq (B1, B2, Tq, hs) written, dk (B1, B2, Tk, hs) and dv
+    (B1, B2, Tk, hv) accumulated (+=; the caller zeroes them), and, when given, dmask
+    (BH, Tq, Tk) written (the gradient of the additive mask, dS before the scale); every
+    (B1, B2, T, d) operand at any row and batch strides, as in attention_forward:
     P = exp((S - rowmax) - logsum) (recomputed),  Pd = P * dropout_keep,  dv += Pd^T @ dout,
     dP = (dout @ v^T) * dropout_keep,  dS = P * (dP - rowsum(P * dP)),
     dq = scale * dS @ k,  dk += scale * dS^T @ q,  dmask = dS"""
-    cdef Py_ssize_t BH = q.shape[0], Tq = q.shape[1], Tk = k.shape[1]
-    cdef int hs, hv
-    cdef Py_ssize_t bh, blk, i0, nb, kmax, r, i, j, rows, per_thread
+    cdef Py_ssize_t B1 = q.shape[0], B2 = q.shape[1], Tq = q.shape[2], Tk = k.shape[2]
+    cdef Py_ssize_t BH = B1 * B2
+    cdef int hs, hv, ldq, ldk, ldv, ldd, lddq, lddk, lddv
+    cdef Py_ssize_t bh, b1, b2, blk, i0, nb, kmax, r, i, j, rows, per_thread
     cdef bint full, want_dmask = dmask is not None
     cdef real* dmrow
     cdef real ds
@@ -315,21 +374,38 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
     cdef real* dprow
     cdef real* pdrow
     cdef const real* mrow0
+    cdef const real* qp
+    cdef const real* kp
+    cdef const real* vp
+    cdef const real* gp
+    cdef real* dqp
+    cdef real* dkp
+    cdef real* dvp
     cdef real m, l, D
     cdef real sc = <real>scale
     cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
-    _check_attention("attention_backward", BH, Tq, Tk, q.shape[2], v.shape[2],
-                     (k.shape[0], k.shape[1], k.shape[2]), (v.shape[0], v.shape[1], v.shape[2]), (mask.shape[0], mask.shape[1], mask.shape[2]),
-                     mask_index, has_mask, block)
-    if ((dq.shape[0], dq.shape[1], dq.shape[2]) != (q.shape[0], q.shape[1], q.shape[2]) or (dk.shape[0], dk.shape[1], dk.shape[2]) != (k.shape[0], k.shape[1], k.shape[2])
-            or (dv.shape[0], dv.shape[1], dv.shape[2]) != (v.shape[0], v.shape[1], v.shape[2])
-            or (dout.shape[0], dout.shape[1], dout.shape[2]) != (BH, Tq, v.shape[2]) or (rowmax.shape[0], rowmax.shape[1]) != (BH, Tq)
+    _check_attention("attention_backward", BH, Tq, Tk, q.shape[3], v.shape[3], (B1, B2),
+                     (k.shape[0], k.shape[1], k.shape[2], k.shape[3]),
+                     (v.shape[0], v.shape[1], v.shape[2], v.shape[3]),
+                     (mask.shape[0], mask.shape[1], mask.shape[2]), mask_index, has_mask, block)
+    if ((dq.shape[0], dq.shape[1], dq.shape[2], dq.shape[3]) != (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
+            or (dk.shape[0], dk.shape[1], dk.shape[2], dk.shape[3]) != (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
+            or (dv.shape[0], dv.shape[1], dv.shape[2], dv.shape[3]) != (v.shape[0], v.shape[1], v.shape[2], v.shape[3])
+            or (dout.shape[0], dout.shape[1], dout.shape[2], dout.shape[3]) != (B1, B2, Tq, v.shape[3])
+            or (rowmax.shape[0], rowmax.shape[1]) != (BH, Tq)
             or (logsum.shape[0], logsum.shape[1]) != (BH, Tq)):
         raise ValueError("attention_backward: dq, dk, dv, dout, rowmax or logsum do not fit q, k, v")
     if want_dmask and (dmask.shape[0], dmask.shape[1], dmask.shape[2]) != (BH, Tq, Tk):
         raise ValueError(f"attention_backward: dmask must be ({BH}, {Tq}, {Tk}), got "
                          f"{(dmask.shape[0], dmask.shape[1], dmask.shape[2])}")
-    hs, hv = <int>q.shape[2], <int>v.shape[2]
+    hs, hv = <int>q.shape[3], <int>v.shape[3]
+    ldq = _row_step("attention_backward", "q", q.strides, Tq, hs, sizeof(real))
+    ldk = _row_step("attention_backward", "k", k.strides, Tk, hs, sizeof(real))
+    ldv = _row_step("attention_backward", "v", v.strides, Tk, hv, sizeof(real))
+    ldd = _row_step("attention_backward", "dout", dout.strides, Tq, hv, sizeof(real))
+    lddq = _row_step("attention_backward", "dq", dq.strides, Tq, hs, sizeof(real))
+    lddk = _row_step("attention_backward", "dk", dk.strides, Tk, hs, sizeof(real))
+    lddv = _row_step("attention_backward", "dv", dv.strides, Tk, hv, sizeof(real))
     num_threads = threads_for(<double>BH * Tq * Tk * hs, _ATTENTION_PARALLEL_MIN, num_threads)
     rows = imin(block, Tq)
     per_thread = rows * Tk * (3 if dropout_p > 0 else 2)
@@ -342,15 +418,23 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
             dP = P + rows * Tk
             Pd = dP + rows * Tk if dropout_p > 0 else P
             for bh in prange(BH, schedule="static"):
+                b1 = bh // B2
+                b2 = bh - b1 * B2
+                qp = &q[b1, b2, 0, 0]
+                kp = &k[b1, b2, 0, 0]
+                vp = &v[b1, b2, 0, 0]
+                gp = &dout[b1, b2, 0, 0]
+                dqp = &dq[b1, b2, 0, 0]
+                dkp = &dk[b1, b2, 0, 0]
+                dvp = &dv[b1, b2, 0, 0]
                 mrow0 = &mask[mask_index[bh], 0, 0] if has_mask else NULL
-                full = is_causal and _causal_needs_full(&q[bh, 0, 0], Tq * hs, &k[bh, 0, 0],
-                                                        Tk * hs, &v[bh, 0, 0], Tk * hv, hs, scale,
-                                                        &dout[bh, 0, 0], Tq * hv, hv)
+                full = is_causal and _causal_needs_full(qp, Tq, ldq, kp, Tk, ldk, vp, ldv, hs,
+                                                        scale, gp, ldd, hv)
                 for blk in range((Tq + block - 1) // block):
                     i0 = blk * block
                     nb = imin(block, Tq - i0)
                     kmax = imin(Tk, i0 + nb) if is_causal and not full else Tk
-                    _scores_block(P, &q[bh, i0, 0], &k[bh, 0, 0], mrow0, i0, nb, kmax, Tk, hs,
+                    _scores_block(P, qp + i0 * ldq, ldq, kp, ldk, mrow0, i0, nb, kmax, Tk, hs,
                                   sc, has_mask, is_causal, full)
                     for r in range(nb):                       # P = exp((S - m) - s), in place
                         m = rowmax[bh, i0 + r]
@@ -370,10 +454,10 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
                                     pdrow[j] = 0
                     # dv[:kmax] += Pd^T (kmax, nb) @ dout[i0:i0+nb] (nb, hv)
                     gemm(c'T', c'N', <int>kmax, hv, <int>nb, <real>1, Pd, <int>kmax,
-                         &dout[bh, i0, 0], hv, <real>1, &dv[bh, 0, 0], hv)
+                         gp + i0 * ldd, ldd, <real>1, dvp, lddv)
                     # dP (nb, kmax) = dout[i0:i0+nb] @ v[:kmax]^T
-                    gemm(c'N', c'T', <int>nb, <int>kmax, hv, <real>1, &dout[bh, i0, 0], hv,
-                         &v[bh, 0, 0], hv, <real>0, dP, <int>kmax)
+                    gemm(c'N', c'T', <int>nb, <int>kmax, hv, <real>1, gp + i0 * ldd, ldd,
+                         vp, ldv, <real>0, dP, <int>kmax)
                     for r in range(nb):                       # dS = scale * P * (dP - D), in place
                         i = i0 + r
                         prow = P + r * kmax
@@ -397,10 +481,10 @@ def attention_backward(real[:, :, ::1] dq, real[:, :, ::1] dk, real[:, :, ::1] d
                             for j in range(kmax):
                                 dprow[j] = sc * prow[j] * (dprow[j] - D)
                     # dq[i0:i0+nb] = dS (nb, kmax) @ k[:kmax] (kmax, hs)
-                    gemm(c'N', c'N', <int>nb, hs, <int>kmax, <real>1, dP, <int>kmax, &k[bh, 0, 0], hs,
-                         <real>0, &dq[bh, i0, 0], hs)
+                    gemm(c'N', c'N', <int>nb, hs, <int>kmax, <real>1, dP, <int>kmax, kp, ldk,
+                         <real>0, dqp + i0 * lddq, lddq)
                     # dk[:kmax] += dS^T (kmax, nb) @ q[i0:i0+nb] (nb, hs)
-                    gemm(c'T', c'N', <int>kmax, hs, <int>nb, <real>1, dP, <int>kmax, &q[bh, i0, 0], hs,
-                         <real>1, &dk[bh, 0, 0], hs)
+                    gemm(c'T', c'N', <int>kmax, hs, <int>nb, <real>1, dP, <int>kmax,
+                         qp + i0 * ldq, ldq, <real>1, dkp, lddk)
     finally:
         free(scratch)

@@ -12,10 +12,10 @@ import microtensor.core._core as _core
 from microtensor.kernels import _fused_attention
 from microtensor.autograd.graph_rules import FusedNode
 from microtensor.nn._activations_fn import softmax
-from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError
+from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
 from microtensor.nn import _kernels
 from microtensor.nn._functional_common import (
-    DtypeError, declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads,
+    DtypeError, declare_saved, _float_array, _same_dtype, _threads,
     _wants_grad, _unbroadcast,
 )
 
@@ -61,36 +61,76 @@ def _mask_slabs(m, batch, Tq, Tk):
     return slabs, np.ascontiguousarray(index).reshape(-1)
 
 
+def _pairs(a, batch, T, d):
+    """a (..., T, d), broadcast to batch + (T, d), as the kernels' (B1, B2, T, d) operand:
+    a view where one exists (the last batch dim is B2, the others fold into B1), read at
+    its strides, so the heads of a (B, T, 3C) projection are read where they lie. A copy
+    only where the rows are not whole, ordered, non-overlapping runs of d elements."""
+    if a.shape != batch + (T, d):
+        a = np.broadcast_to(a, batch + (T, d))
+    b2 = batch[-1] if batch else 1
+    a4 = a.reshape((math.prod(batch[:-1]), b2, T, d))     # a view unless the batch dims cannot fold
+    item = a4.itemsize
+    if a4.strides[3] != item or (T > 1 and (a4.strides[2] % item or a4.strides[2] < d * item)):
+        a4 = np.ascontiguousarray(a4)
+    return a4
+
+
+def _zeros_as(a):
+    """Zeros of a (B1, B2, T, d) operand's shape, laid out as it lies: its first three
+    dims in the order of their strides, each row contiguous (a head of a (B, T, nh, hs)
+    array gets a gradient of that layout)."""
+    order = sorted(range(3), key=lambda i: -abs(a.strides[i]))
+    z = np.zeros(tuple(a.shape[i] for i in order) + (a.shape[3],), a.dtype)
+    return z.transpose(tuple(int(i) for i in np.argsort(order)) + (3,))
+
+
+def _output(batch, T, d, dtype):
+    """(out as batch + (T, d), out as (B1, B2, T, d)). With two batch dims (B, nh) the
+    output lies as (B, T, nh, d), as torch's: `y.transpose(1, 2)` is then (B, T, nh * d)
+    in order, and the model's `.contiguous()` copies nothing."""
+    b2 = batch[-1] if batch else 1
+    if len(batch) == 2:
+        out = np.empty((batch[0], T, b2, d), dtype).transpose(0, 2, 1, 3)
+        return out, out
+    out = np.empty(batch + (T, d), dtype)
+    return out, out.reshape((math.prod(batch[:-1]), b2, T, d))
+
+
 class AttentionBackward(FusedNode):
     """o = P @ v,  P = softmax(scale * q @ k^T + mask);
     dv = P^T @ g,  dP = g @ v^T,  dS = P * (dP - rowsum(dP * P)),
     dq = scale * dS @ k,  dk = scale * dS^T @ q,  dmask = dS   (kernel: attention_backward)"""
 
     def backward(self, g):
-        q, k, v = self.q, self.k, self.v                 # (BH, Tq, hs), (BH, Tk, hs), (BH, Tk, hv)
-        dout = _grad_as(g, (q.shape[0], q.shape[1], v.shape[2]), q.dtype)   # (BH, Tq, hv)
-        dq = np.zeros_like(q)
-        dk = np.zeros_like(k)
-        dv = np.zeros_like(v)
+        q, k, v = self.q, self.k, self.v       # (B1, B2, Tq, hs), (B1, B2, Tk, hs), (B1, B2, Tk, hv)
+        Tq, Tk, hv = q.shape[2], k.shape[2], v.shape[3]
+        g = np.asarray(g)
+        if g.dtype != q.dtype:
+            g = g.astype(q.dtype)
+        dout = _pairs(g, self.batch, Tq, hv)             # read at its strides, as q, k, v
+        # each gradient laid out as its input lies (a head of (B, T, nh, hs) stays one), so
+        # that the transpose and view before the attention give it back with no copy
+        dq, dk, dv = _zeros_as(q), _zeros_as(k), _zeros_as(v)
         want_dmask = len(self.inputs) > 3 and _wants_grad(self, 3)
         # NOTE: the mask's gradient is the whole (BH, Tq, Tk) matrix of dS; it exists only
         # when a float mask requires grad (a learned bias), never on the usual path
-        dmask = np.zeros((q.shape[0], q.shape[1], k.shape[1]), q.dtype) if want_dmask else None
-        if dout.size and k.shape[1]:
+        dmask = np.zeros((self.BH, Tq, Tk), q.dtype) if want_dmask else None
+        if dout.size and Tk:
             scale, dq_k, dk_k = self.scale, dq, dk
-            if q.shape[2] == 0:                          # empty dot products (see forward):
-                q = np.zeros(q.shape[:2] + (1,), q.dtype)   # one zero column, scale 0,
-                k = np.zeros(k.shape[:2] + (1,), k.dtype)   # dq and dk stay empty
+            if q.shape[3] == 0:                          # empty dot products (see forward):
+                q = np.zeros(q.shape[:3] + (1,), q.dtype)   # one zero column, scale 0,
+                k = np.zeros(k.shape[:3] + (1,), k.dtype)   # dq and dk stay empty
                 scale, dq_k, dk_k = 0.0, np.zeros_like(q), np.zeros_like(k)
             _kernels.attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.rowmax,
                                           self.logsum, self.slabs, self.index, self.has_mask,
                                           self.is_causal, scale,
                                           self.dropout_p, self.seed, self.block,
-                                          min(_threads(q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2]),
-                                              q.shape[0]), dmask)
+                                          min(_threads(self.BH * Tq * Tk * q.shape[3]),
+                                              self.BH), dmask)
         grads = []
         for d, shape in zip((dq, dk, dv), self.shapes):
-            grads.append(_unbroadcast(d.reshape(self.batch + d.shape[1:]), shape))
+            grads.append(_unbroadcast(d.reshape(self.batch + d.shape[2:]), shape))
         if len(self.inputs) > 3:
             if want_dmask:                               # (BH, Tq, Tk) -> the mask's own shape
                 m2 = self.mask_shape_2d
@@ -102,14 +142,14 @@ class AttentionBackward(FusedNode):
 
     def composite(self, q, k, v, live_mask=None):
         """(from primitives) o = dropout(softmax(scale * q @ k^T + mask)) @ v"""
-        batch, Tq, Tk = self.batch, self.q.shape[1], self.k.shape[1]
+        batch, Tq, Tk = self.batch, self.q.shape[2], self.k.shape[2]
         dtype = self.q.dtype
         mask = None
         if self.has_mask and not (len(self.inputs) > 3 and self.inputs[3] is not None):
             mask = self.slabs[self.index].reshape(batch + (Tq, Tk))           # additive, constant
         keep = None
         if self.dropout_p > 0:
-            keep = np.empty((self.q.shape[0], Tq, Tk), dtype=dtype)
+            keep = np.empty((self.BH, Tq, Tk), dtype=dtype)
             # the same counter-based draws in every build of the kernels
             _fused_attention.attention_dropout_mask(keep, self.seed, self.dropout_p)
             keep = keep.reshape(batch + (Tq, Tk))
@@ -157,7 +197,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          f"{v.shape} do not fit (q and k must share head_dim, k and v the "
                          "sequence length)")
     try:
-        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        batch = q.shape[:-2]
+        if k.shape[:-2] != batch or v.shape[:-2] != batch:
+            batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except ValueError:
         raise ShapeError(f"scaled_dot_product_attention: batch dims of query {q.shape}, key "
                          f"{k.shape} and value {v.shape} cannot be broadcast together") from None
@@ -175,13 +217,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         slabs, index = _mask_slabs(m2, batch, Tq, Tk)
     else:
         slabs, index = np.zeros((1, 1, 1), q.dtype), np.zeros(1, np.int64)
-    BH = int(np.prod(batch))
-
-    def flat(a, T, d):                                   # (..., T, d) -> (BH, T, d), contiguous
-        return _contig(np.broadcast_to(a, batch + (T, d))).reshape(BH, T, d)
-
-    q3, k3, v3 = flat(q, Tq, hs), flat(k, Tk, hs), flat(v, Tk, hv)
-    out3 = np.empty((BH, Tq, hv), q.dtype)
+    batch = tuple(batch)
+    BH = math.prod(batch)
+    q3, k3, v3 = _pairs(q, batch, Tq, hs), _pairs(k, batch, Tk, hs), _pairs(v, batch, Tk, hv)
+    out, out3 = _output(batch, Tq, hv, q.dtype)           # (..., Tq, hv), (B1, B2, Tq, hv)
     rowmax = np.empty((BH, Tq), q.dtype)                  # each row's log-sum-exp as the
     logsum = np.empty((BH, Tq), q.dtype)                  # pair (max, log-sum), never added
     seed = int(_core.default_generator().integers(0, 2 ** 63)) if dropout_p > 0 else 0
@@ -193,8 +232,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     elif hs == 0:
         # an empty dot product: every score is 0 (plus the mask), as torch computes it;
         # the kernel runs on one zero column with scale 0 (no 0 * inf from 1/sqrt(0))
-        _kernels.attention.attention_forward(out3, rowmax, logsum, np.zeros((BH, Tq, 1), q.dtype),
-                                     np.zeros((BH, Tk, 1), q.dtype), v3, slabs, index,
+        _kernels.attention.attention_forward(out3, rowmax, logsum, np.zeros(q3.shape[:3] + (1,), q.dtype),
+                                     np.zeros(k3.shape[:3] + (1,), q.dtype), v3, slabs, index,
                                      attn_mask is not None, bool(is_causal), 0.0,
                                      float(dropout_p), seed, block, 1)
     else:
@@ -202,7 +241,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                      attn_mask is not None, bool(is_causal), scale,
                                      float(dropout_p), seed, block,
                                      min(_threads(BH * Tq * Tk * hs), BH))
-    out = wrap(out3.reshape(batch + (Tq, hv)))
+    out = wrap(out)
     # a float mask tensor is an input: it may take a gradient, and its slabs may be views
     # of it that backward reads (a bool mask is turned into a private array)
     mask_input = isinstance(attn_mask, Tensor) and attn_mask.dtype != np.bool_
@@ -213,7 +252,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         node.rowmax, node.logsum = rowmax, logsum
         node.slabs, node.index, node.has_mask = slabs, index, attn_mask is not None
         node.is_causal, node.scale, node.dropout_p, node.seed = bool(is_causal), scale, float(dropout_p), seed
-        node.batch, node.shapes, node.block = tuple(batch), (q.shape, k.shape, v.shape), block
+        node.batch, node.BH, node.shapes, node.block = batch, BH, (q.shape, k.shape, v.shape), block
         if mask_input:
             node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
         attach(out, node, inputs)
