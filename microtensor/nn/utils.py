@@ -7,6 +7,7 @@ from microtensor.core import _core
 from microtensor.core._core import Tensor, wrap
 from microtensor.core._grads import zero_grads  # noqa: F401  (Module.zero_grad reads it here)
 from microtensor.capture.recorder import recorded_call
+from microtensor.kernels import _foreach
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
@@ -70,7 +71,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         dtype = np.dtype(np.float32)
     nt = _core.get_num_threads()
     if norm_type == 2.0:       # sqrt(sum of squares) at once: no square root per gradient
-        total = math.sqrt(sum(_sum_of_squares(g._data, nt) for g in grads))
+        total = math.sqrt(_foreach_sum_of_squares([g._data for g in grads], nt))
     else:
         norms = np.array([_vector_norm(g._data, norm_type, nt) for g in grads])
         total = _vector_norm(norms, norm_type, nt)
@@ -83,13 +84,36 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         clip_coef = dtype.type(max_norm) / (total_norm + dtype.type(1e-6))
     if not clip_coef >= 1:     # also when it is NaN: NaN spreads, as in torch
+        # every float gradient that can be scaled where it lies in one call; any other
+        # (read-only, strided, not float) by numpy, with the same rounding
+        flat = [g._data for g in grads if _foreach_can_write(g._data)]
+        _foreach.mul_(flat, float(clip_coef), nt)
         for g in grads:
+            if _foreach_can_write(g._data):
+                continue
             with np.errstate(invalid="ignore", over="ignore"):
                 if g._data.flags.writeable:
                     np.multiply(g._data, clip_coef, out=g._data, casting="unsafe")
                 else:
                     g._data = (g._data * clip_coef).astype(g._data.dtype)
     return wrap(total_norm)
+
+
+def _foreach_can_write(a):
+    return (type(a) is np.ndarray and a.dtype in (np.float32, np.float64)
+            and a.flags.c_contiguous and a.flags.writeable)
+
+
+def _foreach_sum_of_squares(arrays, num_threads):
+    """sum(a^2) over every array, in double: float arrays in one kernel call (contiguous
+    copies of strided ones), any other dtype through float64."""
+    floats, total = [], 0.0
+    for a in arrays:
+        if a.dtype in (np.float32, np.float64):
+            floats.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
+        else:
+            total += _sum_of_squares(a, num_threads)
+    return _foreach.sum_of_squares(floats, num_threads) + total
 
 
 @recorded_call
