@@ -127,6 +127,76 @@ cdef class SliceGrad:
         return out
 
 
+cdef tuple _slice_box(object key, tuple shape):
+    """The box (start, stop) per dim that a key of plain slices (step 1) selects, or None
+    for any other key."""
+    if type(key) is not tuple:
+        key = (key,)
+    if len(key) > len(shape):
+        return None
+    box = []
+    for i, k in enumerate(key):
+        if type(k) is not slice:
+            return None
+        start, stop, step = (<slice>k).indices(shape[i])
+        if step != 1:
+            return None
+        box.append((start, stop if stop > start else start))
+    for i in range(len(key), len(shape)):
+        box.append((0, shape[i]))
+    return tuple(box)
+
+
+cdef bint _boxes_meet(tuple a, tuple b):
+    for (a0, a1), (b0, b1) in zip(a, b):
+        if a1 <= b0 or b1 <= a0:
+            return False
+    return True
+
+
+cdef class _SlicePile:
+    """The slice gradients one input received, kept until its node runs: the q, k and v
+    of one projection (three slices of it) then make one buffer, each slice copied in
+    once, with no zero fill when the slices tile it and no additions when they do not
+    overlap (instead of a zero-filled buffer, a copy and two additions)."""
+    cdef list grads
+    cdef tuple shape
+    cdef object dtype
+
+    def __init__(self, SliceGrad first):
+        self.grads = [first]
+        self.shape, self.dtype = first.shape, first.dtype
+
+    cdef add(self, SliceGrad g):
+        self.grads.append(g)
+
+    cdef object dense(self):
+        boxes = [_slice_box((<SliceGrad>g).key, self.shape) for g in self.grads]
+        tiled = False
+        if _builtins.all(b is not None for b in boxes):
+            volume = 0
+            for b in boxes:
+                n = 1
+                for lo, hi in b:
+                    n *= hi - lo
+                volume += n
+            total = 1
+            for n in self.shape:
+                total *= n
+            tiled = volume == total and not _builtins.any(
+                _boxes_meet(boxes[i], boxes[j])
+                for i in range(len(boxes)) for j in range(i))
+        out = (np.empty if tiled else np.zeros)(self.shape, dtype=self.dtype)
+        written = []
+        for g, box in zip(self.grads, boxes):
+            if box is not None and not _builtins.any(_boxes_meet(box, w) for w in written):
+                out[(<SliceGrad>g).key] = (<SliceGrad>g).value      # nothing there yet
+                written.append(box)
+            else:
+                out[(<SliceGrad>g).key] += (<SliceGrad>g).value
+        return out
+
+
 cdef inline bint _needs_graph(tuple inputs):
     """True when grad mode is on and some input requires grad."""
     if not mt_grad_on():
@@ -242,9 +312,16 @@ cdef object _sum_into(dict pending, set owned, Node m, object gi):
     """pending[m] += gi, in place when the engine owns pending[m]'s buffer
     (a gradient handed over by a backward rule may be shared, so it is never written)."""
     prev = pending.get(m)
+    if type(prev) is _SlicePile:
+        if type(gi) is SliceGrad:
+            (<_SlicePile>prev).add(<SliceGrad>gi)
+            return
+        prev = (<_SlicePile>prev).dense()
+        pending[m] = prev
+        owned.add(m)
     if type(gi) is SliceGrad:
         if prev is None:
-            pending[m] = (<SliceGrad>gi).dense()
+            pending[m] = _SlicePile(gi)      # made into one buffer when m runs
             owned.add(m)
             return
         if m not in owned:
@@ -294,6 +371,8 @@ cdef _finish_leaf(_LeafGrad lg, dict captured, bint accumulate, bint create_grap
     lg.grad = None
     if g is None:
         return
+    if type(g) is _SlicePile:
+        g = (<_SlicePile>g).dense()
     if t._hooks:
         g = _run_tensor_hooks(t._hooks, g, create_graph)
     if captured is not None:
@@ -418,6 +497,8 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
             node = ready.pop()
             g = pending.pop(node, None)
             owned.discard(node)
+            if type(g) is _SlicePile:
+                g = (<_SlicePile>g).dense()
             if g is None:
                 # reached only through inputs that produced no gradient
                 _release_inputs(node, deps, ready, leaves, captured, accumulate, create_graph,
@@ -462,9 +543,16 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                     lg = <_LeafGrad>leaves[id(t)]
                     if gi is not None:
                         gi = _as_grad_array(gi, t)
-                        if type(gi) is SliceGrad:
-                            gi = (<SliceGrad>gi).dense()
-                        lg.grad = gi if lg.grad is None else _gsum(lg.grad, gi)
+                        if type(gi) is SliceGrad and lg.grad is None:
+                            lg.grad = _SlicePile(gi)     # made into one buffer when complete
+                        elif type(gi) is SliceGrad and type(lg.grad) is _SlicePile:
+                            (<_SlicePile>lg.grad).add(<SliceGrad>gi)
+                        else:
+                            if type(gi) is SliceGrad:
+                                gi = (<SliceGrad>gi).dense()
+                            if type(lg.grad) is _SlicePile:
+                                lg.grad = (<_SlicePile>lg.grad).dense()
+                            lg.grad = gi if lg.grad is None else _gsum(lg.grad, gi)
                     lg.waiting -= 1
                     if lg.waiting == 0:
                         _finish_leaf(lg, captured, accumulate, create_graph)

@@ -76,12 +76,13 @@ def _pairs(a, batch, T, d):
     return a4
 
 
-def _zeros_as(a):
+def _zeros_as(a, fill=True):
     """Zeros of a (B1, B2, T, d) operand's shape, laid out as it lies: its first three
     dims in the order of their strides, each row contiguous (a head of a (B, T, nh, hs)
-    array gets a gradient of that layout)."""
+    array gets a gradient of that layout). fill=False: uninitialised, for an array the
+    kernel writes whole."""
     order = sorted(range(3), key=lambda i: -abs(a.strides[i]))
-    z = np.zeros(tuple(a.shape[i] for i in order) + (a.shape[3],), a.dtype)
+    z = (np.zeros if fill else np.empty)(tuple(a.shape[i] for i in order) + (a.shape[3],), a.dtype)
     return z.transpose(tuple(int(i) for i in np.argsort(order)) + (3,))
 
 
@@ -111,12 +112,15 @@ class AttentionBackward(FusedNode):
         dout = _pairs(g, self.batch, Tq, hv)             # read at its strides, as q, k, v
         # each gradient laid out as its input lies (a head of (B, T, nh, hs) stays one), so
         # that the transpose and view before the attention give it back with no copy
-        dq, dk, dv = _zeros_as(q), _zeros_as(k), _zeros_as(v)
+        runs = bool(dout.size and Tk)
+        # dq is written whole by the kernel (= dS @ k, row block by row block); dk and dv
+        # are accumulated over the row blocks
+        dq, dk, dv = _zeros_as(q, fill=not runs or q.shape[3] == 0), _zeros_as(k), _zeros_as(v)
         want_dmask = len(self.inputs) > 3 and _wants_grad(self, 3)
         # NOTE: the mask's gradient is the whole (BH, Tq, Tk) matrix of dS; it exists only
         # when a float mask requires grad (a learned bias), never on the usual path
         dmask = np.zeros((self.BH, Tq, Tk), q.dtype) if want_dmask else None
-        if dout.size and Tk:
+        if runs:
             scale, dq_k, dk_k = self.scale, dq, dk
             if q.shape[3] == 0:                          # empty dot products (see forward):
                 q = np.zeros(q.shape[:3] + (1,), q.dtype)   # one zero column, scale 0,
