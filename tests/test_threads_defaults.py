@@ -1,5 +1,5 @@
-"""The defaults a user gets without asking: OpenMP threads that sleep when idle (set
-before the runtime starts, unless the user set it), small ops that never open a parallel
+"""The defaults a user gets without asking: OpenMP threads that spin briefly when idle,
+then sleep (set before the runtime starts, unless the user set it), small ops that never open a parallel
 region, thread counts above the CPUs lowered with a warning (never an import error), the
 examples on the library's default, and mt.show_config()."""
 import os
@@ -28,6 +28,7 @@ def python(code, env_extra=None, timeout=120):
 
 
 SHOW = "import os, microtensor as mt; print(os.environ.get('OMP_WAIT_POLICY'))"
+SHOW_SPIN = "import os, microtensor as mt; print(os.environ.get('GOMP_SPINCOUNT'))"
 
 
 def runtime_spin(stderr):
@@ -43,22 +44,25 @@ def runtime_spin(stderr):
 CHILD = ("import subprocess, sys; print(subprocess.run([sys.executable, '-c', \"import os; "
          "print(os.environ.get('OMP_WAIT_POLICY'))\"], capture_output=True, text=True)"
          ".stdout.strip())")
+CHILD_SPIN = CHILD.replace("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def test_passive_waiting_is_set_before_the_runtime_starts():
+def test_a_short_spin_is_set_before_the_runtime_starts():
     """For this process's runtime only: os.environ, and so a subprocess, see the user's
-    environment unchanged (None), while libgomp took the passive policy (spin 0)."""
-    r = python(SHOW + "; " + CHILD + "; print(mt.runtime._omp_env.settings()['OMP_WAIT_POLICY'])",
+    environment unchanged (None), while libgomp took microtensor's spin count (10000:
+    idle threads spin briefly, then sleep)."""
+    r = python(SHOW_SPIN + "; " + CHILD_SPIN
+               + "; s = mt.runtime._omp_env.settings()['GOMP_SPINCOUNT']; print(s['value'], s['source'])",
                {"OMP_DISPLAY_ENV": "VERBOSE"})
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[:2] == ["None", "None"], r.stdout
-    assert "PASSIVE" in lines[2] and "this process only" in lines[2], r.stdout
+    assert lines[2].startswith("10000 ") and "this process only" in lines[2], r.stdout
     # the runtime itself read it: set after an extension was loaded, the runtime would
     # keep its own default spin (300000) and our variable would change nothing
     if runtime_spin(r.stderr) is None:
         pytest.skip("this OpenMP runtime does not print GOMP_SPINCOUNT (not libgomp)")
-    assert runtime_spin(r.stderr) == 0, r.stderr
+    assert runtime_spin(r.stderr) == 10000, r.stderr
 
 
 @pytest.mark.parametrize("user, expected_env", [
@@ -84,7 +88,7 @@ def test_an_explicit_setting_is_left_alone(user, expected_env):
 
 def test_apply_defaults_reports_its_sources():
     from microtensor.runtime import _omp_env
-    assert _omp_env.apply_defaults({}) == {"OMP_WAIT_POLICY": "microtensor"}
+    assert _omp_env.apply_defaults({}) == {"GOMP_SPINCOUNT": "microtensor"}
     env = {"GOMP_SPINCOUNT": "10"}
     assert _omp_env.apply_defaults(env) == {"GOMP_SPINCOUNT": "user"}
     assert env == {"GOMP_SPINCOUNT": "10"}

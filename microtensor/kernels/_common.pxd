@@ -26,7 +26,9 @@ cdef inline int bounded_threads(long n) noexcept nogil:
 # Opening and closing a parallel region costs about 6 us on a quiet 2-core Intel Xeon
 # (Sapphire Rapids class, KVM guest; OMP_WAIT_POLICY=PASSIVE: the worker is woken
 # from sleep): the 2-thread minus the 1-thread time of a small kernel, best of many runs
-# (benchmarks/bench_thresholds.py). On a busy machine the same region waits for a core
+# (benchmarks/bench_thresholds.py). On another such VM a wake-up took about 100 us, and
+# a worker still spinning from the last region (microtensor's GOMP_SPINCOUNT=10000,
+# runtime/_omp_env.py) took about 3. On a busy machine the same region waits for a core
 # someone else holds. So a kernel goes parallel only when one thread would spend about
 # 50 us in it (eight wake-ups' worth): each kernel names its threshold, a work size in
 # its own units (elements, multiply-adds), beside it, with the per-unit cost measured at

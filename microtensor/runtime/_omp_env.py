@@ -5,18 +5,24 @@ environment once, when the first extension is loaded; after that no setting of i
 change. So microtensor/__init__.py imports this module first, before any extension.
 
 What a thread does between two parallel regions is the question. libgomp's default lets
-an idle worker spin for a while (GOMP_SPINCOUNT, 300,000 iterations, about a
-millisecond) before it sleeps, so that the next region starts without a wake-up. On a
-machine whose other cores are busy (a browser, a second experiment), that spinning
-thread holds a core someone else wants, and when the OS has given the core to someone
-else every region waits for the thread's turn: a small training step, which enters
-hundreds of regions, ran 300x slower at 2 threads than at 1 (issue 23's table).
+an idle worker spin for a while (GOMP_SPINCOUNT, 300,000 iterations, a millisecond or
+more) before it sleeps, so that the next region starts without a wake-up. On a machine
+whose other cores are busy (a browser, a second experiment), that spinning thread holds a
+core someone else wants, and when the OS has given the core to someone else every region
+waits for the thread's turn: a small training step, which enters hundreds of regions, ran
+300x slower at 2 threads than at 1 (issue 23's table). Sleeping at once
+(OMP_WAIT_POLICY=PASSIVE, the earlier default) fixed that, but on a quiet virtual machine
+waking a sleeping worker can cost 100 us (its virtual CPU has to be woken by the host): a
+GELU of 2^15 elements took 18 us on one thread and 114 us on two, and a tiny GPT step
+was 1.65x slower on two threads than on one (docs/BENCHMARKS.md, "Waiting threads").
 
-microtensor asks for OMP_WAIT_POLICY=PASSIVE: a worker that has nothing to do sleeps at
-once and is woken for the next region (a futex wake, a few microseconds, which the kernel
-grants at once to a thread that slept). The measurement behind the choice is in
-docs/TRAINING.md ("Threads on a busy machine") and its command is
-`python benchmarks/bench_busy.py --busy 1 --env OMP_WAIT_POLICY=...`.
+microtensor asks for GOMP_SPINCOUNT=10000: an idle worker spins briefly (long enough to
+cover the gap between two kernels of a step, tens to hundreds of microseconds), then
+sleeps. A busy machine is handled by the team (kernels/_common.pxd: while other processes
+hold the cores, kernels run on one thread and open no region, so nothing spins): with a
+spinning process beside it, the 2-thread step stays level with the 1-thread step. The
+commands are `python benchmarks/bench_busy.py` and `... --busy 1`, with `--env
+GOMP_SPINCOUNT=...` or `--env OMP_WAIT_POLICY=PASSIVE` to compare.
 
 For this process only: the user's environment is left as it was. The variable is put in
 os.environ, the OpenMP runtime the extensions link (libgomp.so.1, found in the core's
@@ -35,7 +41,7 @@ import os
 import sys
 
 # name -> the value microtensor sets when the user has set none of these variables
-OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+OMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 # the variables that decide the same thing: when any is set, microtensor sets nothing
 _WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 RUNTIME = "libgomp.so.1"

@@ -10,7 +10,7 @@
                      (auto: Intel CPU, oneMKL installed)
       BLAS (numpy)   numpy's OpenBLAS 0.3.31, SkylakeX kernel, 2 threads
       threads        2 (default: the physical cores; OMP_NUM_THREADS unset)
-      OpenMP waiting OMP_WAIT_POLICY=PASSIVE (set by microtensor); ...
+      OpenMP waiting OMP_WAIT_POLICY=unset (runtime default); GOMP_SPINCOUNT=10000 (microtensor ...)
 
 Every line comes from `config()`, a dict, which the benchmarks print in their headers
 and record in their JSON. Nothing here changes a setting.
