@@ -371,6 +371,31 @@ def test_attention_reads_the_heads_where_the_projection_wrote_them(B, T, C, nh, 
         *_heads_of_projection(x, B, T, C, nh), is_causal=causal), (randn(B, T, 3 * C),))
 
 
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan, 1e30])
+@pytest.mark.parametrize("where", [0, 1, 2])          # in q, k or v
+def test_attention_in_place_heads_spread_non_finite_values_as_copies_do(value, where):
+    # under is_causal the kernels skip the masked keys only for a (b, h) whose q, k, v are
+    # finite and small: that test reads the heads at their strides too (a value planted in
+    # one head of a (B, T, 3C) projection must send that head down the full path)
+    B, T, C, nh = 2, 9, 8, 2
+    a = RNG.standard_normal((B, T, 3 * C))
+    a[1, 4, where * C + 5] = value                       # batch 1, row 4, head 1
+    qkv = mt.tensor(a)
+    heads = _heads_of_projection(qkv, B, T, C, nh)
+    got = F.scaled_dot_product_attention(*heads, is_causal=True).numpy()
+    copies = [mt.tensor(np.ascontiguousarray(t.numpy())) for t in heads]
+    want = F.scaled_dot_product_attention(*copies, is_causal=True).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    torch = pytest.importorskip("torch")
+    # torch's math adds -inf to the masked scores (its explicit causal mask; FUSED_OPS.md):
+    # a NaN or inf key poisons the rows that mask it too
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(np.ascontiguousarray(t.numpy())) for t in heads),
+        attn_mask=torch.from_numpy(np.tril(np.ones((T, T), bool))))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref.numpy()))
+
+
 _LAYOUTS = {
     "reversed_rows": ((2, 3, 6, 4), lambda t: t.flip(2)),
     "strided_last_dim": ((2, 3, 6, 8), lambda t: t[..., ::2]),
