@@ -709,9 +709,10 @@ def test_kernel_builds_agree():
     builds = [b[1] for b in kernel_builds_here()]
     if len(builds) < 2:
         pytest.skip("this CPU runs one build of the kernels only (no AVX2+FMA)")
-    x = RNG.standard_normal(1003).astype(np.float32) * 4
+    rng = np.random.default_rng(1003)      # its own draws: not shifted by the tests above
+    x = rng.standard_normal(100_003).astype(np.float32) * 4
     x[:6] = [0.0, -0.0, 30.0, -30.0, 90.0, -90.0]
-    g = RNG.standard_normal(1003).astype(np.float32)
+    g = rng.standard_normal(100_003).astype(np.float32)
     for name in ("gelu", "gelu_tanh", "silu"):
         outs = []
         for mod in builds:
@@ -721,7 +722,14 @@ def test_kernel_builds_agree():
             outs.append((y, d))
         for y, d in outs[1:]:
             np.testing.assert_allclose(outs[0][0], y, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(outs[0][1], d, rtol=1e-5, atol=1e-6)
+            # backward is g * f'(x): the builds round f' differently (fused multiply-adds
+            # against separate ones), and the tanh GELU's 1 - t^2 loses digits to
+            # cancellation near |x| = 3.5 (t = -0.9993): an error of ~1e-6 in f', times g
+            diff = np.abs(outs[0][1] - d)
+            bound = 1e-5 * np.abs(outs[0][1]) + 1e-6 * np.maximum(np.abs(g), 1.0)
+            worst = int(np.argmax(diff - bound))
+            assert np.all(diff <= bound), (name, float(x[worst]), float(outs[0][1][worst]),
+                                           float(d[worst]))
     # and the float32 polynomials agree with float64 libm through the public ops
     x64 = mt.tensor(x.astype(np.float64))
     for fn in (F.gelu, lambda t: F.gelu(t, approximate="tanh"), F.silu, lambda t: F.softmax(t, 0)):

@@ -40,10 +40,16 @@ def _tensor(x, what):
     return x
 
 
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
 def _float_array(x, what):
     """The float32/float64 array behind a tensor argument, or TypeError."""
     d = _tensor(x, what)._data
-    if d.dtype != np.float32 and d.dtype != np.float64:
+    dt = d.dtype
+    # `is` first: numpy's dtypes of its own types are single objects (a fast test on
+    # every call), `==` for the rest
+    if dt is not _F32 and dt is not _F64 and dt != _F32 and dt != _F64:
         raise DtypeError(f"{what} must be a floating tensor (float32 or float64), got {d.dtype}")
     return d
 
@@ -53,7 +59,7 @@ def _same_dtype(op, **arrays):
     items = [(k, a) for k, a in arrays.items() if a is not None]
     dt = items[0][1].dtype
     for k, a in items[1:]:
-        if a.dtype != dt:
+        if a.dtype is not dt and a.dtype != dt:
             names = ", ".join(f"{k}: {a.dtype}" for k, a in items)
             raise DtypeError(f"{op}: expected all tensors to have the same dtype, got {names}")
 

@@ -27,7 +27,7 @@ def _norm_rows(x, normalized_shape, op):
     if k == 0 or x.ndim < k or x.shape[x.ndim - k:] != normalized_shape:
         raise ShapeError(f"{op}: input shape {x.shape} does not end with normalized_shape "
                          f"{normalized_shape}")
-    n = int(np.prod(normalized_shape))
+    n = math.prod(normalized_shape)
     return normalized_shape, n
 
 
