@@ -71,18 +71,21 @@ def same_scalar(a, b):
         return False
 
 
+_PLAIN = frozenset((bool, int, str, type(None)))     # scalar_id(v) is (type(v), v)
+
+
 def state(instance):
-    """The guarded state of one module: a tuple compared with == (ints and scalar ids)."""
-    d = instance.__dict__
+    """The guarded state of one module: a tuple compared with == (ints and scalar ids).
+    (Read before every replay of a plan: the common kinds are tested first, by type.)"""
     parts = []
-    for name, value in d.items():
+    for name, value in instance.__dict__.items():
         kind = type(value)
-        if kind is bool or kind is int or kind is float or kind is str or value is None:
-            parts.append((name, scalar_id(value)))
-        elif kind is complex or isinstance(value, np.generic):
+        if kind in _PLAIN:
+            parts.append((name, (kind, value)))
+        elif kind is float or kind is complex or isinstance(value, np.generic):
             parts.append((name, scalar_id(value)))
         elif isinstance(value, dict) and (name in _GUARDED_DICTS or name.endswith("_hooks")):
-            parts.append((name, tuple(value), tuple(map(id, value.values()))))
+            parts.append((name, tuple(value), tuple(map(id, value.values())) if value else ()))
     return tuple(parts)
 
 
