@@ -187,13 +187,14 @@ cdef class _SlicePile:
                 _boxes_meet(boxes[i], boxes[j])
                 for i in range(len(boxes)) for j in range(i))
         out = (np.empty if tiled else np.zeros)(self.shape, dtype=self.dtype)
-        written = []
+        written = []              # the boxes written so far; None: a piece of unknown extent
         for g, box in zip(self.grads, boxes):
-            if box is not None and not _builtins.any(_boxes_meet(box, w) for w in written):
+            if box is not None and not _builtins.any(w is None or _boxes_meet(box, w)
+                                                     for w in written):
                 out[(<SliceGrad>g).key] = (<SliceGrad>g).value      # nothing there yet
-                written.append(box)
             else:
                 out[(<SliceGrad>g).key] += (<SliceGrad>g).value
+            written.append(box)
         return out
 
 
