@@ -257,6 +257,7 @@ def c_is_current(pyx):
 settings = build_settings()
 same_settings = previous_settings() == settings
 
+
 def own_compile_args(pyx):
     """The flags a .pyx asks for in its first lines (`# distutils: extra_compile_args =
     -fno-math-errno`: the optimizer's sqrt without errno bookkeeping, so that its update
