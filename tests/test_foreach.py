@@ -133,3 +133,121 @@ def test_clip_grad_norm_scales_every_kind_of_gradient_as_numpy_does():
     coef = np.float32(0.5) / (np.float32(total) + np.float32(1e-6))
     for p, b in zip(params, before):
         np.testing.assert_allclose(p.grad.numpy(), b * coef, rtol=2e-7)
+
+
+# ---- optim/_adamw.pyx: adam_step_many, every parameter of a group in one call -----------
+
+from microtensor.optim import _adamw    # noqa: E402
+
+ADAM_SIZES = [0, 1, 7, 16383, 16384, 16385, 40001]      # around the kernel's 2^14 block
+
+
+def _adam_lists(rng, dtype):
+    n = len(ADAM_SIZES)
+    make = lambda scale, positive=False: [
+        (np.abs(rng.standard_normal(s)) if positive else rng.standard_normal(s)).astype(dtype) * scale
+        for s in ADAM_SIZES]
+    return dict(params=make(1.0), grads=make(1.0), exp_avgs=make(0.1),
+                exp_avg_sqs=make(0.1, True), max_exp_avg_sqs=make(0.2, True),
+                steps=np.arange(1, n + 1, dtype=np.float64) * 3)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adam_step_many_is_adam_step_on_each_parameter(dtype, decoupled, amsgrad, threads):
+    # the same update, bit for bit, as one adam_step per parameter (each its own step
+    # count), whatever the team
+    lists = _adam_lists(np.random.default_rng(5), dtype)
+    want = {k: [a.copy() for a in v] for k, v in lists.items() if k not in ("grads", "steps")}
+    for i, n in enumerate(ADAM_SIZES):
+        if n:
+            _adamw.adam_step(want["params"][i], lists["grads"][i], want["exp_avgs"][i],
+                             want["exp_avg_sqs"][i], want["max_exp_avg_sqs"][i], 1e-2, 0.9,
+                             0.99, 1e-8, 0.1, lists["steps"][i], decoupled, amsgrad, 1)
+    _adamw.adam_step_many(lists["params"], lists["grads"], lists["exp_avgs"],
+                          lists["exp_avg_sqs"], lists["max_exp_avg_sqs"], lists["steps"],
+                          1e-2, 0.9, 0.99, 1e-8, 0.1, decoupled, amsgrad, threads)
+    for key, arrays in want.items():
+        if key == "max_exp_avg_sqs" and not amsgrad:
+            continue
+        for i, (w, g) in enumerate(zip(arrays, lists[key])):
+            np.testing.assert_array_equal(g, w, err_msg=f"{key}[{i}]")
+
+
+def _bad(lists, field, how):
+    a = lists[field][2]
+    if how == "not_array":
+        lists[field][2] = list(a)
+    elif how == "dtype":
+        lists[field][2] = a.astype(np.float64)
+    elif how == "int":
+        lists[field][2] = a.astype(np.int64)
+    elif how == "two_d":
+        lists[field][2] = a.reshape(7, 1)
+    elif how == "strided":
+        lists[field][2] = np.repeat(a, 2)[::2]
+    elif how == "short":
+        lists[field][2] = a[:-1]
+    elif how == "read_only":
+        a.flags.writeable = False
+
+
+@pytest.mark.parametrize("field", ["params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"])
+@pytest.mark.parametrize("how", ["not_array", "dtype", "int", "two_d", "strided", "short", "read_only"])
+def test_adam_step_many_checks_every_array_before_it_writes(field, how):
+    rng = np.random.default_rng(6)
+    lists = _adam_lists(rng, np.float32)
+    lists = {k: v[:4] for k, v in lists.items()}        # sizes 0, 1, 7, 16383
+    call = lambda L: _adamw.adam_step_many(L["params"], L["grads"], L["exp_avgs"], L["exp_avg_sqs"],
+                                           L["max_exp_avg_sqs"], L["steps"], 1e-2, 0.9, 0.99,
+                                           1e-8, 0.1, True, True, 2)
+    before = {k: [a.copy() for a in v] for k, v in lists.items() if k != "steps"}
+    _bad(lists, field, how)
+    if how == "read_only" and field == "grads":
+        call(lists)                                      # a gradient is only read
+        return
+    words = {"params": "parameter", "grads": "gradient", "exp_avgs": "exp_avg",
+             "exp_avg_sqs": "exp_avg_sq", "max_exp_avg_sqs": "max_exp_avg_sq"}[field] + " 2 "
+    if how == "short" and field == "params":
+        # a parameter's size is the one the others must have: its gradient is named
+        words = "gradient 2 has 7 elements, but its parameter has 6"
+    with pytest.raises((TypeError, ValueError), match=words):
+        call(lists)
+    for key, arrays in before.items():                   # nothing moved
+        for i, (b, a) in enumerate(zip(arrays, lists[key])):
+            if i != 2:
+                np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"{key}[{i}]")
+
+
+def test_adam_step_many_checks_the_lists_lengths():
+    lists = _adam_lists(np.random.default_rng(7), np.float64)
+    args = (1e-2, 0.9, 0.99, 1e-8, 0.1, True, True, 1)
+    with pytest.raises(ValueError, match="7 parameters, but 6 gradients"):
+        _adamw.adam_step_many(lists["params"], lists["grads"][:-1], lists["exp_avgs"],
+                              lists["exp_avg_sqs"], lists["max_exp_avg_sqs"], lists["steps"], *args)
+    with pytest.raises(ValueError, match="6 steps"):
+        _adamw.adam_step_many(lists["params"], lists["grads"], lists["exp_avgs"],
+                              lists["exp_avg_sqs"], lists["max_exp_avg_sqs"], lists["steps"][:-1], *args)
+    with pytest.raises(ValueError, match="5 max_exp_avg_sq"):
+        _adamw.adam_step_many(lists["params"], lists["grads"], lists["exp_avgs"],
+                              lists["exp_avg_sqs"], lists["max_exp_avg_sqs"][:5], lists["steps"], *args)
+
+
+def test_adamw_step_failing_on_one_parameter_moves_none_and_counts_no_step():
+    # one kernel call per group: a state buffer damaged for the third parameter stops the
+    # step before any parameter moves, and the step counts stay as they were
+    ps = [mt.tensor(np.random.default_rng(8).standard_normal(n).astype(np.float32),
+                    requires_grad=True) for n in (3, 5, 7)]
+    for p in ps:
+        p.grad = mt.ones(*p.shape)
+    opt = mt.optim.AdamW(ps, lr=0.1)
+    opt.step()
+    before = [p.numpy().copy() for p in ps]
+    opt.state[ps[2]]["exp_avg"] = mt.zeros(6)
+    with pytest.raises(Exception, match="exp_avg"):
+        opt.step()
+    for p, b in zip(ps, before):
+        np.testing.assert_array_equal(p.numpy(), b)
+    assert [opt.state[p]["step"] for p in ps] == [1, 1, 1]

@@ -1,7 +1,7 @@
 """Adam and AdamW (torch's update rules, bias correction included)."""
 import numpy as np
 
-from microtensor.optim._adamw import adam_step
+from microtensor.optim._adamw import adam_step, adam_step_many
 from microtensor.optim.optimizer import (
     Optimizer, _bump_version, _check_param, _flat, _flat_grad, _num_threads,
 )
@@ -14,7 +14,9 @@ class Adam(Optimizer):
         m = b1 * m + (1 - b1) * g;   v = b2 * v + (1 - b2) * g^2
         p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-    Each parameter is updated by one call of the Cython kernel `adam_step`, in place.
+    Every parameter of a param group is updated, in place, by one call of the Cython
+    kernel `adam_step_many` (its threads share out the elements of all of them); a
+    parameter stored non-contiguously takes `adam_step` on a contiguous copy.
     """
     decoupled_weight_decay = False
 
@@ -36,12 +38,15 @@ class Adam(Optimizer):
                                       amsgrad=amsgrad))
 
     def step(self, closure=None):
-        """One update of every parameter that has a gradient (one kernel call each)."""
+        """One update of every parameter that has a gradient: one kernel call per param
+        group and dtype."""
         loss = self._closure_loss(closure)
         num_threads = _num_threads()
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             amsgrad = group["amsgrad"]
+            options = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            together = {}          # dtype -> the flat arrays of the group's parameters
             for pi, p in enumerate(group["params"]):
                 if p._grad is None:
                     continue
@@ -54,15 +59,28 @@ class Adam(Optimizer):
                                   if amsgrad else exp_avg_sq)   # unread without amsgrad
                 param, copied = _flat(p._data)
                 grad = _flat_grad(p, g)
-                state["step"] = state.get("step", 0) + 1
-                if param.size:
-                    adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq,
-                              group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                              float(state["step"]), self.decoupled_weight_decay, amsgrad,
-                              num_threads)
-                if copied:
+                step = state.get("step", 0) + 1
+                if copied:             # a strided parameter: updated on a copy, copied back
+                    if param.size:
+                        adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, *options,
+                                  float(step), self.decoupled_weight_decay, amsgrad,
+                                  num_threads)
                     np.copyto(p._data, param.reshape(p.shape))
-                _bump_version(p)
+                    state["step"] = step
+                    _bump_version(p)
+                else:
+                    arrays = together.setdefault(param.dtype, ([], [], [], [], [], [], []))
+                    for where, a in zip(arrays, (param, grad, exp_avg, exp_avg_sq,
+                                                 max_exp_avg_sq, step, p)):
+                        where.append(a)
+            for params, grads, avgs, sqs, maxes, steps, owners in together.values():
+                # the kernel checks every array before it writes any: on an error no
+                # parameter of the call has moved, and no step count either
+                adam_step_many(params, grads, avgs, sqs, maxes, np.array(steps, np.float64),
+                               *options, self.decoupled_weight_decay, amsgrad, num_threads)
+                for p, step in zip(owners, steps):
+                    self.state[p]["step"] = step
+                    _bump_version(p)
         return loss
 
 
