@@ -86,39 +86,31 @@ def adam_step(real[::1] param, const real[::1] grad, real[::1] exp_avg,
               double step, bint decoupled_weight_decay, bint amsgrad, int num_threads):
     """One Adam / AdamW update of one parameter (N,), in place over param, exp_avg,
     exp_avg_sq (and max_exp_avg_sq when amsgrad; otherwise any (N,) array, unread)."""
-    # NOTE: every buffer is indexed by the same i, and each element is read and written
-    # by exactly one thread, so the in-place update inside prange is race-free. The
-    # per-element work sits in an inline function so that the loop has no private
-    # temporaries (Cython resets those to NaN on every iteration), and the options are
-    # folded into coefficients rather than branches, so the compiler vectorizes it.
-    cdef Py_ssize_t i, n = param.shape[0]
-    cdef int threads = _threads(n, num_threads)
+    # NOTE: one parameter is adam_step_many's case of a list of one: the same blocks and
+    # the same loop (_adam_blocks), so the update is written once
+    cdef Py_ssize_t n = param.shape[0], count
     _check_length("adam_step", "grad", grad.shape[0], n)
     _check_length("adam_step", "exp_avg", exp_avg.shape[0], n)
     _check_length("adam_step", "exp_avg_sq", exp_avg_sq.shape[0], n)
     if amsgrad:
         _check_length("adam_step", "max_exp_avg_sq", max_exp_avg_sq.shape[0], n)
-    cdef double neg_step_size_d, bias_correction2_sqrt_d
-    _bias_corrections(lr, beta1, beta2, step, &neg_step_size_d, &bias_correction2_sqrt_d)
-    # the coefficients are rounded to the parameter's type once, as torch does
-    cdef real neg_step_size = neg_step_size_d
-    cdef real bias_correction2_sqrt = bias_correction2_sqrt_d
-    cdef real one_minus_beta1 = 1.0 - beta1
-    cdef real beta2_r = beta2
-    cdef real one_minus_beta2 = 1.0 - beta2
-    cdef real eps_r = eps
-    cdef real decay = 1.0 - lr * weight_decay if decoupled_weight_decay else 1.0
-    cdef real l2 = 0.0 if decoupled_weight_decay else weight_decay
-    if amsgrad:
-        for i in prange(n, nogil=True, num_threads=threads, schedule="static"):
-            _adam_element(&param[i], grad[i], &exp_avg[i], &exp_avg_sq[i], &max_exp_avg_sq[i],
-                          neg_step_size, bias_correction2_sqrt, one_minus_beta1, beta2_r,
-                          one_minus_beta2, eps_r, decay, l2, True)
-    else:
-        for i in prange(n, nogil=True, num_threads=threads, schedule="static"):
-            _adam_element(&param[i], grad[i], &exp_avg[i], &exp_avg_sq[i], &exp_avg_sq[i],
-                          neg_step_size, bias_correction2_sqrt, one_minus_beta1, beta2_r,
-                          one_minus_beta2, eps_r, decay, l2, False)
+    if n == 0:
+        return
+    cdef real* ptrs[5]
+    cdef double coef[2]
+    ptrs[0] = &param[0]
+    ptrs[1] = <real*>&grad[0]                 # read only
+    ptrs[2] = &exp_avg[0]
+    ptrs[3] = &exp_avg_sq[0]
+    ptrs[4] = &max_exp_avg_sq[0] if amsgrad else ptrs[3]
+    _bias_corrections(lr, beta1, beta2, step, &coef[0], &coef[1])
+    cdef _Block* blocks = _blocks_of(&n, 1, &count)
+    try:
+        with nogil:
+            _adam_blocks(ptrs, coef, blocks, count, lr, beta1, beta2, eps, weight_decay,
+                         decoupled_weight_decay, amsgrad, _threads(n, num_threads))
+    finally:
+        free(blocks)
 
 
 cdef inline void _sgd_element(real* param, real grad, real* momentum_buffer, real neg_lr,
@@ -177,6 +169,27 @@ cdef struct _Block:
 cdef Py_ssize_t _BLOCK = 1 << 14
 
 
+cdef _Block* _blocks_of(const Py_ssize_t* sizes, Py_ssize_t n, Py_ssize_t* count) except NULL:
+    """Every parameter's elements cut into blocks of _BLOCK, in order (malloc'd; the
+    caller frees it); count: how many."""
+    cdef Py_ssize_t i, b = 0, start
+    count[0] = 0
+    for i in range(n):
+        count[0] += (sizes[i] + _BLOCK - 1) // _BLOCK
+    cdef _Block* blocks = <_Block*>malloc(max(count[0], 1) * sizeof(_Block))
+    if blocks == NULL:
+        raise MemoryError(f"adam_step: cannot allocate {count[0]} blocks")
+    for i in range(n):
+        start = 0
+        while start < sizes[i]:
+            blocks[b].tensor = i
+            blocks[b].start = start
+            blocks[b].stop = start + _BLOCK if start + _BLOCK < sizes[i] else sizes[i]
+            start += _BLOCK
+            b += 1
+    return blocks
+
+
 cdef char* _pointer(str what, Py_ssize_t index, object a, int dtype, Py_ssize_t n,
                     bint writes) except NULL:
     """The data of a 1-D float array of n elements and the group's dtype, C-contiguous
@@ -209,7 +222,7 @@ def adam_step_many(list params, list grads, list exp_avgs, list exp_avg_sqs,
     and dtype, and steps[i] its step count. Each element gets exactly adam_step's update
     (the same coefficients, rounded the same way), so the results are adam_step's bits,
     at any thread count. Every array is checked before any is written."""
-    cdef Py_ssize_t n = len(params), i, b, count = 0, total = 0, start, size
+    cdef Py_ssize_t n = len(params), i, count = 0, total = 0, size
     cdef int threads
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == steps.shape[0] == n) or \
             (amsgrad and len(max_exp_avg_sqs) != n):
@@ -226,10 +239,12 @@ def adam_step_many(list params, list grads, list exp_avgs, list exp_avg_sqs,
         raise TypeError(f"adam_step_many: parameters must be float32 or float64, got {params[0].dtype}")
     cdef char** ptrs = <char**>malloc(5 * n * sizeof(char*))
     cdef double* coef = <double*>malloc(2 * n * sizeof(double))
+    cdef Py_ssize_t* sizes = <Py_ssize_t*>malloc(n * sizeof(Py_ssize_t))
     cdef _Block* blocks = NULL
-    if ptrs == NULL or coef == NULL:
+    if ptrs == NULL or coef == NULL or sizes == NULL:
         free(ptrs)
         free(coef)
+        free(sizes)
         raise MemoryError("adam_step_many: cannot allocate the list of parameters")
     try:
         for i in range(n):
@@ -241,21 +256,9 @@ def adam_step_many(list params, list grads, list exp_avgs, list exp_avg_sqs,
             ptrs[5 * i + 4] = (_pointer("max_exp_avg_sq", i, max_exp_avg_sqs[i], dtype, size, True)
                                if amsgrad else ptrs[5 * i + 3])
             _bias_corrections(lr, beta1, beta2, steps[i], &coef[2 * i], &coef[2 * i + 1])
-            count += (size + _BLOCK - 1) // _BLOCK
+            sizes[i] = size
             total += size
-        blocks = <_Block*>malloc(max(count, 1) * sizeof(_Block))
-        if blocks == NULL:
-            raise MemoryError(f"adam_step_many: cannot allocate {count} blocks")
-        b = 0
-        for i in range(n):
-            size = params[i].size
-            start = 0
-            while start < size:
-                blocks[b].tensor = i
-                blocks[b].start = start
-                blocks[b].stop = start + _BLOCK if start + _BLOCK < size else size
-                start += _BLOCK
-                b += 1
+        blocks = _blocks_of(sizes, n, &count)
         threads = _threads(total, num_threads)
         with nogil:
             if dtype == cnp.NPY_FLOAT32:
@@ -266,6 +269,7 @@ def adam_step_many(list params, list grads, list exp_avgs, list exp_avg_sqs,
                              weight_decay, decoupled_weight_decay, amsgrad, threads)
     finally:
         free(blocks)
+        free(sizes)
         free(coef)
         free(ptrs)
 
