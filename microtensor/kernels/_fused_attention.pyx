@@ -237,6 +237,15 @@ cdef int _row_step(str kernel, str name, Py_ssize_t* strides, Py_ssize_t rows,
     return <int>(step // itemsize)
 
 
+cdef int _qkv_steps(str kernel, const real[:, :, :, :] q, const real[:, :, :, :] k,
+                    const real[:, :, :, :] v, int* ldq, int* ldk, int* ldv) except -1:
+    """The row steps (BLAS leading dimensions) of q, k and v, each checked by _row_step."""
+    ldq[0] = _row_step(kernel, "q", q.strides, q.shape[2], q.shape[3], sizeof(real))
+    ldk[0] = _row_step(kernel, "k", k.strides, k.shape[2], k.shape[3], sizeof(real))
+    ldv[0] = _row_step(kernel, "v", v.strides, v.shape[2], v.shape[3], sizeof(real))
+    return 0
+
+
 # Parallel threshold (BH * Tq * Tk * hs, the multiply-adds of q @ k^T): forward at one
 # thread, float32, causal, 0.2-0.5 ns a unit on a 2-core Intel Xeon (Sapphire Rapids
 # class; (16, 4, 32, 16) 0.42, (12, 4, 64, 32) 0.21): about 30-60 us at the bound.
@@ -288,9 +297,7 @@ def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] lo
                          f"rowmax {(rowmax.shape[0], rowmax.shape[1])} / logsum "
                          f"{(logsum.shape[0], logsum.shape[1])} do not fit ({B1}, {B2}, {Tq}, {v.shape[3]})")
     hs, hv = <int>q.shape[3], <int>v.shape[3]
-    ldq = _row_step("attention_forward", "q", q.strides, Tq, hs, sizeof(real))
-    ldk = _row_step("attention_forward", "k", k.strides, Tk, hs, sizeof(real))
-    ldv = _row_step("attention_forward", "v", v.strides, Tk, hv, sizeof(real))
+    _qkv_steps("attention_forward", q, k, v, &ldq, &ldk, &ldv)
     ldo = _row_step("attention_forward", "out", out.strides, Tq, hv, sizeof(real))
     num_threads = threads_for(<double>BH * Tq * Tk * hs, _ATTENTION_PARALLEL_MIN, num_threads)
     rows = imin(block, Tq)
@@ -412,9 +419,7 @@ def attention_backward(real[:, :, :, :] dq, real[:, :, :, :] dk, real[:, :, :, :
         raise ValueError(f"attention_backward: dmask must be ({BH}, {Tq}, {Tk}), got "
                          f"{(dmask.shape[0], dmask.shape[1], dmask.shape[2])}")
     hs, hv = <int>q.shape[3], <int>v.shape[3]
-    ldq = _row_step("attention_backward", "q", q.strides, Tq, hs, sizeof(real))
-    ldk = _row_step("attention_backward", "k", k.strides, Tk, hs, sizeof(real))
-    ldv = _row_step("attention_backward", "v", v.strides, Tk, hv, sizeof(real))
+    _qkv_steps("attention_backward", q, k, v, &ldq, &ldk, &ldv)
     ldd = _row_step("attention_backward", "dout", dout.strides, Tq, hv, sizeof(real))
     lddq = _row_step("attention_backward", "dq", dq.strides, Tq, hs, sizeof(real))
     lddk = _row_step("attention_backward", "dk", dk.strides, Tk, hs, sizeof(real))

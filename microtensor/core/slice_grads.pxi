@@ -1,0 +1,94 @@
+# The gradients of slices: a SliceGrad is zero except on grad_input[key] (what the
+# backward of slicing returns), and a _SlicePile keeps the slice gradients one tensor
+# receives until its gradient is complete, then builds them into one buffer. The engine
+# (engine.pxi, included right after this file) adds them up; shape.pxi's IndexBackward
+# makes them.
+
+cdef class SliceGrad:
+    """A gradient that is zero except on `grad_input[key]` (the backward of slicing).
+
+    The engine adds it straight into the input's gradient buffer, so taking three
+    slices of one tensor (the q, k, v split) costs one buffer, not three zero-filled
+    full-size arrays and two additions."""
+    cdef public object key, value
+    cdef public tuple shape
+    cdef public object dtype
+
+    def __init__(self, key, value, shape, dtype):
+        self.key, self.value, self.shape, self.dtype = key, value, shape, dtype
+
+    def dense(self):
+        out = np.zeros(self.shape, dtype=self.dtype)
+        out[self.key] = self.value
+        return out
+
+
+cdef tuple _slice_box(object key, tuple shape):
+    """The box (start, stop) per dim that a key of plain slices (step 1) selects, or None
+    for any other key."""
+    if type(key) is not tuple:
+        key = (key,)
+    if len(key) > len(shape):
+        return None
+    box = []
+    for i, k in enumerate(key):
+        if type(k) is not slice:
+            return None
+        start, stop, step = (<slice>k).indices(shape[i])
+        if step != 1:
+            return None
+        box.append((start, stop if stop > start else start))
+    for i in range(len(key), len(shape)):
+        box.append((0, shape[i]))
+    return tuple(box)
+
+
+cdef bint _boxes_meet(tuple a, tuple b):
+    for (a0, a1), (b0, b1) in zip(a, b):
+        if a1 <= b0 or b1 <= a0:
+            return False
+    return True
+
+
+cdef class _SlicePile:
+    """The slice gradients one input received, kept until its node runs: the q, k and v
+    of one projection (three slices of it) then make one buffer, each slice copied in
+    once, with no zero fill when the slices tile it and no additions when they do not
+    overlap (instead of a zero-filled buffer, a copy and two additions)."""
+    cdef list grads
+    cdef tuple shape
+    cdef object dtype
+
+    def __init__(self, SliceGrad first):
+        self.grads = [first]
+        self.shape, self.dtype = first.shape, first.dtype
+
+    cdef add(self, SliceGrad g):
+        self.grads.append(g)
+
+    cdef object dense(self):
+        boxes = [_slice_box((<SliceGrad>g).key, self.shape) for g in self.grads]
+        tiled = False
+        if _builtins.all(b is not None for b in boxes):
+            volume = 0
+            for b in boxes:
+                n = 1
+                for lo, hi in b:
+                    n *= hi - lo
+                volume += n
+            total = 1
+            for n in self.shape:
+                total *= n
+            tiled = volume == total and not _builtins.any(
+                _boxes_meet(boxes[i], boxes[j])
+                for i in range(len(boxes)) for j in range(i))
+        out = (np.empty if tiled else np.zeros)(self.shape, dtype=self.dtype)
+        written = []              # the boxes written so far; None: a piece of unknown extent
+        for g, box in zip(self.grads, boxes):
+            if box is not None and not _builtins.any(w is None or _boxes_meet(box, w)
+                                                     for w in written):
+                out[(<SliceGrad>g).key] = (<SliceGrad>g).value      # nothing there yet
+            else:
+                out[(<SliceGrad>g).key] += (<SliceGrad>g).value
+            written.append(box)
+        return out
