@@ -86,10 +86,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if not clip_coef >= 1:     # also when it is NaN: NaN spreads, as in torch
         # every float gradient that can be scaled where it lies in one call; any other
         # (read-only, strided, not float) by numpy, with the same rounding
-        flat = [g._data for g in grads if _foreach_can_write(g._data)]
-        _foreach.mul_(flat, float(clip_coef), nt)
-        for g in grads:
-            if _foreach_can_write(g._data):
+        in_place = [_foreach_can_write(g._data) for g in grads]
+        _foreach.mul_([g._data for g, ok in zip(grads, in_place) if ok], float(clip_coef), nt)
+        for g, ok in zip(grads, in_place):
+            if ok:
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
                 if g._data.flags.writeable:
@@ -99,8 +99,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     return wrap(total_norm)
 
 
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))   # `in` finds them by identity
+
+
 def _foreach_can_write(a):
-    return (type(a) is np.ndarray and a.dtype in (np.float32, np.float64)
+    return (type(a) is np.ndarray and a.dtype in _FLOATS
             and a.flags.c_contiguous and a.flags.writeable)
 
 
@@ -109,7 +112,7 @@ def _foreach_sum_of_squares(arrays, num_threads):
     copies of strided ones), any other dtype through float64."""
     floats, total = [], 0.0
     for a in arrays:
-        if a.dtype in (np.float32, np.float64):
+        if a.dtype in _FLOATS:
             floats.append(a if a.flags.c_contiguous else np.ascontiguousarray(a))
         else:
             total += _sum_of_squares(a, num_threads)
