@@ -8,6 +8,7 @@ import pytest
 import microtensor as mt
 import microtensor.nn.functional as F
 from microtensor.autograd.graph_rules import FusedNode
+from microtensor.nn._attention_fn import attention_on_views
 
 from test_higher_order import _python_nodes
 
@@ -27,6 +28,20 @@ def rope_tables(T, d):
 COS, SIN = rope_tables(5, 6)
 MASK = mt.tensor(rng.standard_normal((5, 7)))
 IDS = mt.tensor(np.array([[0, 3, 3], [5, 1, 0]]))
+
+def _heads_of(x, B=2, T=5, nh=3, hs=2):
+    """attention on views of x (B, T, 3C): the fused call mt.compile makes of a head split,
+    with the head split itself as its composite"""
+    C, item = nh * hs, x.numpy().itemsize
+    views = tuple((i * C, (B, nh, T, hs), (T * 3 * C * item, hs * item, 3 * C * item, item))
+                  for i in range(3))
+
+    def chain(x):
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in x.split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(B, T, C)
+    return attention_on_views(x, views, chain, (B, T, C), is_causal=True)
+
 
 # name -> (node type, call, inputs); sizes that divide nothing, kinks avoided
 CASES = {
@@ -54,6 +69,7 @@ CASES = {
     "attention_live_mask": ("AttentionBackward",
                             lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
                             lambda: [t(2, 5, 4), t(2, 7, 4), t(2, 7, 3), t(5, 7)]),
+    "attention_on_views": ("ViewsAttentionBackward", _heads_of, lambda: [t(2, 5, 18)]),
     "cumprod": ("CumprodBackward", lambda x: mt.cumprod(x, 1), lambda: [t(3, 6)]),
 }
 

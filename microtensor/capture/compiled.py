@@ -63,7 +63,7 @@ MAX_INTERRUPTED = 2    # recordings of a key interrupted by another thread's ops
 class CompiledFunction:
     """A function with its plans (see the module docstring)."""
 
-    def __init__(self, fn, max_plans=8, verbose=False, arena=True):
+    def __init__(self, fn, max_plans=8, verbose=False, arena=True, fuse=True):
         if not callable(fn):
             raise TypeError(f"mt.compile needs a callable, got {type(fn).__name__}")
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
@@ -72,6 +72,7 @@ class CompiledFunction:
         self.max_plans = max_plans
         self.verbose = verbose
         self.arena = bool(arena)
+        self.fuse = bool(fuse)     # apply fuse.py's rewrites to a trusted plan
         self._plans = {}        # key -> list of Plan (one per set of guard values)
         self._pending = {}      # key -> the first call's (recorder, plan), awaiting the second
         self._eager = {}        # key -> why this key runs eagerly (at most MAX_REASONS)
@@ -148,6 +149,8 @@ class CompiledFunction:
             if difference is not None:
                 self._give_up(key, difference)
                 return result
+            if self.fuse:
+                plan.fuse(recorder.alive)
             self._plans.setdefault(key, []).append(plan)
         if self.verbose:
             print(f"mt.compile({self.__name__}): a plan of {len(plan)} calls")
@@ -170,7 +173,7 @@ class CompiledFunction:
         if self.warnings > MAX_WARNINGS:
             return
         if self.warnings == MAX_WARNINGS:
-            message += f" (further warnings of this compiled function are not shown)"
+            message += " (further warnings of this compiled function are not shown)"
         warnings.warn(f"mt.compile({getattr(self.fn, '__name__', 'fn')}): {message}",
                       RuntimeWarning, stacklevel=stacklevel)
 
@@ -202,9 +205,10 @@ class CompiledFunction:
                 f"calls {self.calls}>")
 
 
-def compile(fn=None, *, max_plans=8, verbose=False, arena=True, **torch_options):
+def compile(fn=None, *, max_plans=8, verbose=False, arena=True, fuse=True, **torch_options):
     """Record `fn`'s ops on its first two calls and replay them after (see
     microtensor/capture/compiled.py). Works as `mt.compile(fn)` and as `@mt.compile`.
+    fuse=False replays the recorded calls as they are (no rewrites: capture/fuse.py).
     torch.compile's options (mode=, fullgraph=, dynamic=, backend=) are accepted and
     have no effect."""
     unknown = set(torch_options) - {"mode", "fullgraph", "dynamic", "backend", "options",
@@ -214,8 +218,9 @@ def compile(fn=None, *, max_plans=8, verbose=False, arena=True, **torch_options)
     if torch_options.get("disable"):
         return fn if fn is not None else (lambda f: f)
     if fn is None:
-        return lambda f: CompiledFunction(f, max_plans=max_plans, verbose=verbose, arena=arena)
-    return CompiledFunction(fn, max_plans=max_plans, verbose=verbose, arena=arena)
+        return lambda f: CompiledFunction(f, max_plans=max_plans, verbose=verbose, arena=arena,
+                                          fuse=fuse)
+    return CompiledFunction(fn, max_plans=max_plans, verbose=verbose, arena=arena, fuse=fuse)
 
 
 def _never_replayable(fn):

@@ -14,6 +14,7 @@ from microtensor.capture.recorder import Slot, Seq, resolve, same_constant
 from microtensor.capture.memory import Memory
 from microtensor.capture.names import names_hold
 from microtensor.capture import guards as _guards
+from microtensor.capture import fuse as _fuse
 from microtensor.core._core import Tensor
 
 _FLOP_LABELS = ("matmul", "F.linear", "F.scaled_dot_product_attention", "bmm", "mm")
@@ -33,10 +34,22 @@ class Plan:
         self.externals = len(recorder.externals)
         self.final_grad_mode = getattr(recorder, "final_grad_mode", None)
         self.replays = 0
-        self.bytes = sum(rec.out_bytes for rec in self.records)
-        self.release = _last_uses(self.records, self.slots, result)
+        self.fused = []               # [(label, [labels of the calls it stands for])]
+        self.dropped = []             # labels of the calls a rewrite removed (fuse.py)
+        self._laid_out()
         self.memory = Memory() if arena else None
         self.lock = threading.Lock()  # one replay at a time: another thread waits
+
+    def _laid_out(self):
+        self.bytes = sum(rec.out_bytes for rec in self.records)
+        self.release = _last_uses(self.records, self.slots, self.result)
+
+    def fuse(self, alive):
+        """Apply the rewrite rules (fuse.py) once the plan is trusted; alive[i] is slot
+        i's tensor in the recording the plan was made from."""
+        self.records, self.result, self.fused, self.dropped = _fuse.fuse(
+            self.records, alive, self.result)
+        self._laid_out()
 
     def holds(self):
         """Whether the guards still hold: each Module's state (guards.py: its scalar
@@ -95,7 +108,9 @@ class Plan:
     def __str__(self):
         lines = [f"plan: {len(self.records)} calls, {self.slots} tensors in slots, "
                  f"{self.externals} external tensors (parameters, constants), "
-                 f"{len(self.guards)} guarded modules, {len(self.names)} guarded names; {_mb(self.bytes)} of new results per call"]
+                 f"{len(self.guards)} guarded modules, {len(self.names)} guarded names; {_mb(self.bytes)} of new results per call"
+                 + (f"; {len(self.fused)} fused calls (each stands for the calls it lists)"
+                    if self.fused else "")]
         for i, rec in enumerate(self.records):
             shapes = " ".join(str(i) for i in rec.info if isinstance(i, tuple))
             flops = _flops(rec)
@@ -105,13 +120,15 @@ class Plan:
             size = f" ({_kib(rec.out_bytes)})" if rec.out_bytes else " (views)"
             lines.append(f"{i:4d}  {rec.label:<34} {shapes}{extra}{grad}"
                          + (f"  -> {outs}{size}" if outs else ""))
+            if rec.fused:
+                lines.append(f"        fuses {len(rec.fused)} calls: {_counted(rec.fused)}")
             nodes = [n for n in rec.info if isinstance(n, str)]
             if nodes:
-                counts = {}
-                for n in nodes:
-                    counts[n] = counts.get(n, 0) + 1
-                kinds = ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
-                lines.append(f"        runs {len(nodes)} backward rules: {kinds}")
+                lines.append(f"        runs {len(nodes)} backward rules (as recorded, "
+                             f"before fusion): {_counted(nodes)}")
+        if self.dropped:
+            lines.append(f"dropped {len(self.dropped)} calls that change nothing: "
+                         f"{_counted(self.dropped)} (p = 0 or training off)")
         lines.append("the replay drops each tensor after its last call (backward frees as it goes)")
         lines.append(self.memory.describe() if self.memory is not None else
                      "memory: no arena (each op allocates its results as in eager mode)")
@@ -131,6 +148,13 @@ class Plan:
             lines.append(f"{label:<36} {calls / n:6.0f} {seconds / n * 1e3:9.3f} "
                          f"{100 * seconds / total:6.1f}")
         return "\n".join(lines)
+
+
+def _counted(labels):
+    counts = {}
+    for n in labels:
+        counts[n] = counts.get(n, 0) + 1
+    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
 
 
 def _slots_in(template, found):

@@ -248,13 +248,14 @@ def has_slots(template):
 class Record:
     """One call: fn(*args, **kwargs) with templates, and where its tensors went."""
     __slots__ = ("label", "fn", "args", "kwargs", "dynamic", "outs", "grad_mode", "info",
-                 "seconds", "calls", "out_bytes")
+                 "seconds", "calls", "out_bytes", "fused")
 
     def __init__(self, label, fn, args, kwargs, outs, grad_mode, info):
         self.label, self.fn, self.args, self.kwargs = label, fn, args, kwargs
         self.dynamic = has_slots(Seq(tuple, list(args) + list(kwargs.values())))
         self.outs, self.grad_mode, self.info = outs, grad_mode, info
         self.seconds, self.calls, self.out_bytes = 0.0, 0, 0
+        self.fused = None       # the labels of the calls a fused record stands for (fuse.py)
 
 
 class NotReplayable(Exception):

@@ -65,13 +65,14 @@ def _pairs(a, batch, T, d):
     """a (..., T, d), broadcast to batch + (T, d), as the kernels' (B1, B2, T, d) operand:
     a view where one exists (the last batch dim is B2, the others fold into B1), read at
     its strides, so the heads of a (B, T, 3C) projection are read where they lie. A copy
-    only where the rows are not whole, ordered, non-overlapping runs of d elements."""
+    only where the rows are not whole, ordered, non-overlapping runs of d elements (the
+    kernels' rule: the step of a last dim of one element is never read)."""
     if a.shape != batch + (T, d):
         a = np.broadcast_to(a, batch + (T, d))
     b2 = batch[-1] if batch else 1
     a4 = a.reshape((math.prod(batch[:-1]), b2, T, d))     # a view unless the batch dims cannot fold
     item = a4.itemsize
-    if a4.strides[3] != item or (T > 1 and (a4.strides[2] % item or a4.strides[2] < d * item)):
+    if (d > 1 and a4.strides[3] != item) or (T > 1 and (a4.strides[2] % item or a4.strides[2] < d * item)):
         a4 = np.ascontiguousarray(a4)
     return a4
 
@@ -83,7 +84,9 @@ def _zeros_as(a, fill=True):
     kernel writes whole."""
     order = sorted(range(3), key=lambda i: -abs(a.strides[i]))
     z = (np.zeros if fill else np.empty)(tuple(a.shape[i] for i in order) + (a.shape[3],), a.dtype)
-    return z.transpose(tuple(int(i) for i in np.argsort(order)) + (3,))
+    if order == [0, 1, 2]:
+        return z
+    return z.transpose((order.index(0), order.index(1), order.index(2), 3))   # order's inverse
 
 
 def _output(batch, T, d, dtype):
@@ -105,33 +108,16 @@ class AttentionBackward(FusedNode):
 
     def backward(self, g):
         q, k, v = self.q, self.k, self.v       # (B1, B2, Tq, hs), (B1, B2, Tk, hs), (B1, B2, Tk, hv)
-        Tq, Tk, hv = q.shape[2], k.shape[2], v.shape[3]
-        g = np.asarray(g)
-        if g.dtype != q.dtype:
-            g = g.astype(q.dtype)
-        dout = _pairs(g, self.batch, Tq, hv)             # read at its strides, as q, k, v
         # each gradient laid out as its input lies (a head of (B, T, nh, hs) stays one), so
-        # that the transpose and view before the attention give it back with no copy
-        runs = bool(dout.size and Tk)
-        # dq is written whole by the kernel (= dS @ k, row block by row block); dk and dv
-        # are accumulated over the row blocks
+        # that the transpose and view before the attention give it back with no copy;
+        # dq is written whole by the kernel (= dS @ k, row block by row block) when it runs
+        runs = bool(self.BH * q.shape[2] * v.shape[3] and k.shape[2])
         dq, dk, dv = _zeros_as(q, fill=not runs or q.shape[3] == 0), _zeros_as(k), _zeros_as(v)
         want_dmask = len(self.inputs) > 3 and _wants_grad(self, 3)
         # NOTE: the mask's gradient is the whole (BH, Tq, Tk) matrix of dS; it exists only
         # when a float mask requires grad (a learned bias), never on the usual path
-        dmask = np.zeros((self.BH, Tq, Tk), q.dtype) if want_dmask else None
-        if runs:
-            scale, dq_k, dk_k = self.scale, dq, dk
-            if q.shape[3] == 0:                          # empty dot products (see forward):
-                q = np.zeros(q.shape[:3] + (1,), q.dtype)   # one zero column, scale 0,
-                k = np.zeros(k.shape[:3] + (1,), k.dtype)   # dq and dk stay empty
-                scale, dq_k, dk_k = 0.0, np.zeros_like(q), np.zeros_like(k)
-            _kernels.attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.rowmax,
-                                          self.logsum, self.slabs, self.index, self.has_mask,
-                                          self.is_causal, scale,
-                                          self.dropout_p, self.seed, self.block,
-                                          min(_threads(self.BH * Tq * Tk * q.shape[3]),
-                                              self.BH), dmask)
+        dmask = np.zeros((self.BH, q.shape[2], k.shape[2]), q.dtype) if want_dmask else None
+        self.into(g, dq, dk, dv, dmask)
         grads = []
         for d, shape in zip((dq, dk, dv), self.shapes):
             grads.append(_unbroadcast(d.reshape(self.batch + d.shape[2:]), shape))
@@ -143,6 +129,29 @@ class AttentionBackward(FusedNode):
             else:
                 grads.append(None)
         return tuple(grads)
+
+    def into(self, g, dq, dk, dv, dmask=None):
+        """The kernel: dq (zeros where it does not run), dk and dv (zeros) take the
+        gradients for the upstream g, each array at its own strides."""
+        q, k, v = self.q, self.k, self.v
+        Tq, Tk, hv = q.shape[2], k.shape[2], v.shape[3]
+        g = np.asarray(g)
+        if g.dtype != q.dtype:
+            g = g.astype(q.dtype)
+        dout = _pairs(g, self.batch, Tq, hv)             # read at its strides, as q, k, v
+        if not (dout.size and Tk):
+            return
+        scale, dq_k, dk_k = self.scale, dq, dk
+        if q.shape[3] == 0:                              # empty dot products (see forward):
+            q = np.zeros(q.shape[:3] + (1,), q.dtype)       # one zero column, scale 0,
+            k = np.zeros(k.shape[:3] + (1,), k.dtype)       # dq and dk stay empty
+            scale, dq_k, dk_k = 0.0, np.zeros_like(q), np.zeros_like(k)
+        _kernels.attention.attention_backward(dq_k, dk_k, dv, dout, q, k, v, self.rowmax,
+                                              self.logsum, self.slabs, self.index, self.has_mask,
+                                              self.is_causal, scale,
+                                              self.dropout_p, self.seed, self.block,
+                                              min(_threads(self.BH * Tq * Tk * q.shape[3]),
+                                                  self.BH), dmask)
 
     def composite(self, q, k, v, live_mask=None):
         """(from primitives) o = dropout(softmax(scale * q @ k^T + mask)) @ v"""
@@ -213,15 +222,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         # torch raises RuntimeError here too
         raise RuntimeError("scaled_dot_product_attention: an explicit attn_mask should not be "
                            "set when is_causal=True (pass one or the other, not both)")
-    Tq, hs = q.shape[-2], q.shape[-1]
-    Tk, hv = k.shape[-2], v.shape[-1]
+    Tq, Tk, hs = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = (1.0 / math.sqrt(hs) if hs else math.inf) if scale is None else float(scale)
     if attn_mask is not None:
         m2 = _attention_mask(attn_mask, Tq, Tk, q.dtype)
         slabs, index = _mask_slabs(m2, batch, Tq, Tk)
     else:
         slabs, index = np.zeros((1, 1, 1), q.dtype), np.zeros(1, np.int64)
-    batch = tuple(batch)
+    mask_input = isinstance(attn_mask, Tensor) and attn_mask.dtype != np.bool_
+    inputs = (query, key, value, attn_mask) if mask_input else (query, key, value)
+    out, node = _attend(q, k, v, tuple(batch), slabs, index, attn_mask is not None,
+                        float(dropout_p), bool(is_causal), scale,
+                        AttentionBackward if needs_graph(inputs) else None)
+    out = wrap(out)
+    if node is not None:
+        # a float mask tensor is an input: it may take a gradient, and its slabs may be
+        # views of it that backward reads (a bool mask is turned into a private array)
+        node.shapes = (q.shape, k.shape, v.shape)
+        if mask_input:
+            node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
+        attach(out, node, inputs)
+    return out
+
+
+def _attend(q, k, v, batch, slabs, index, has_mask, dropout_p, is_causal, scale, node_type):
+    """The forward kernel on checked arrays q (*batch, Tq, hs), k (*batch, Tk, hs), v
+    (*batch, Tk, hv) (views of them where they are not), its mask as slabs: (out array,
+    a node_type node holding what backward reads, or None when node_type is None)."""
+    Tq, hs = q.shape[-2], q.shape[-1]
+    Tk, hv = k.shape[-2], v.shape[-1]
     BH = math.prod(batch)
     q3, k3, v3 = _pairs(q, batch, Tq, hs), _pairs(k, batch, Tk, hs), _pairs(v, batch, Tk, hv)
     out, out3 = _output(batch, Tq, hv, q.dtype)           # (..., Tq, hv), (B1, B2, Tq, hv)
@@ -238,31 +267,110 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         # the kernel runs on one zero column with scale 0 (no 0 * inf from 1/sqrt(0))
         _kernels.attention.attention_forward(out3, rowmax, logsum, np.zeros(q3.shape[:3] + (1,), q.dtype),
                                      np.zeros(k3.shape[:3] + (1,), q.dtype), v3, slabs, index,
-                                     attn_mask is not None, bool(is_causal), 0.0,
-                                     float(dropout_p), seed, block, 1)
+                                     has_mask, is_causal, 0.0, dropout_p, seed, block, 1)
     else:
         _kernels.attention.attention_forward(out3, rowmax, logsum, q3, k3, v3, slabs, index,
-                                     attn_mask is not None, bool(is_causal), scale,
-                                     float(dropout_p), seed, block,
+                                     has_mask, is_causal, scale, dropout_p, seed, block,
                                      min(_threads(BH * Tq * Tk * hs), BH))
-    out = wrap(out)
-    # a float mask tensor is an input: it may take a gradient, and its slabs may be views
-    # of it that backward reads (a bool mask is turned into a private array)
-    mask_input = isinstance(attn_mask, Tensor) and attn_mask.dtype != np.bool_
-    inputs = (query, key, value, attn_mask) if mask_input else (query, key, value)
-    if needs_graph(inputs):
-        node = AttentionBackward()
-        node.q, node.k, node.v = q3, k3, v3
-        node.rowmax, node.logsum = rowmax, logsum
-        node.slabs, node.index, node.has_mask = slabs, index, attn_mask is not None
-        node.is_causal, node.scale, node.dropout_p, node.seed = bool(is_causal), scale, float(dropout_p), seed
-        node.batch, node.BH, node.shapes, node.block = batch, BH, (q.shape, k.shape, v.shape), block
-        if mask_input:
-            node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
-        attach(out, node, inputs)
-    return out
+    if node_type is None:
+        return out, None
+    node = node_type()
+    node.q, node.k, node.v = q3, k3, v3
+    node.rowmax, node.logsum = rowmax, logsum
+    node.slabs, node.index, node.has_mask = slabs, index, has_mask
+    node.is_causal, node.scale, node.dropout_p, node.seed = is_causal, scale, dropout_p, seed
+    node.batch, node.BH, node.block = batch, BH, block
+    return out, node
 
 
 # ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
 
 _core.register_op("scaled_dot_product_attention", scaled_dot_product_attention, kind="fused", scope="F")
+
+
+# ---- attention on views of one tensor: mt.compile's fused record -------------------------
+
+def _view(flat, spec):
+    """The view (offset in elements, shape, strides in bytes) of a flat array; numpy checks
+    that it lies inside the array (ValueError otherwise)."""
+    offset, shape, strides = spec
+    return np.ndarray(shape, flat.dtype, buffer=flat, offset=offset * flat.itemsize, strides=strides)
+
+
+def _owner(a):
+    """The array that owns a view's memory."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+class ViewsAttentionBackward(AttentionBackward):
+    """o = attention(q, k, v) for q, k, v views of one tensor x;  dx = dq, dk and dv,
+    each written by the kernel where its view of x lies, zeros elsewhere
+    (kernel: attention_backward)"""
+
+    def backward(self, g):
+        dtype = self.q.dtype
+        dx = np.zeros(self.x_shape, dtype)
+        flat = dx.reshape(-1)
+        dq, dk, dv = (_pairs(_view(flat, spec), self.batch, spec[1][-2], spec[1][-1])
+                      for spec in self.views)
+        if self.out_layout is not None:        # the output was handed out as its whole buffer
+            shape, strides = self.out_layout
+            g = np.ascontiguousarray(g, dtype=dtype).reshape(-1)
+            g = np.ndarray(shape, dtype, buffer=g, strides=strides)
+        self.into(g, dq, dk, dv)
+        return (dx,)
+
+    def composite(self, x):
+        """(from primitives) the calls the fused one stands for, on x"""
+        return self.chain(x)
+
+
+declare_saved(ViewsAttentionBackward, 0)
+
+
+def attention_on_views(x, views, chain, out_as=None, dropout_p=0.0, is_causal=False, scale=None):
+    """F.scaled_dot_product_attention(q, k, v) (no mask) for q, k, v that are views of
+    one C-contiguous tensor x: `views` gives each as (offset in elements, shape, strides
+    in bytes), the heads of a (B, T, 3C) projection read where they lie; `chain(x)` is
+    the same result computed by the ops it stands for (the composite). The gradient of
+    x is written by the kernel in one buffer: no slices, no copies, no additions.
+    out_as: a shape to hand the output out as, its whole buffer reshaped ((B, T, nh * hv)
+    for (B, nh) heads: the `transpose(1, 2).contiguous().view(B, T, C)` after attention),
+    or None for the (..., Tq, hv) view F.scaled_dot_product_attention returns."""
+    xd = _float_array(x, "attention_on_views input")
+    if not xd.flags.c_contiguous:
+        raise ValueError(f"attention_on_views: the input must be C-contiguous, got strides "
+                         f"{xd.strides} for shape {xd.shape}")
+    flat = xd.reshape(-1)
+    q, k, v = (_view(flat, spec) for spec in views)
+    if not (q.ndim >= 2 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+            and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2]):
+        raise ShapeError(f"attention_on_views: views of shapes {q.shape}, {k.shape}, {v.shape} "
+                         "are not q, k and v of one attention")
+    if isinstance(dropout_p, bool) or not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
+    hs = q.shape[-1]
+    scale = (1.0 / math.sqrt(hs) if hs else math.inf) if scale is None else float(scale)
+    slabs, index = np.zeros((1, 1, 1), xd.dtype), np.zeros(1, np.int64)
+    out, node = _attend(q, k, v, q.shape[:-2], slabs, index, False, float(dropout_p),
+                        bool(is_causal), scale, ViewsAttentionBackward if needs_graph((x,)) else None)
+    result, layout = out, None
+    if out_as is not None:
+        root = out if out.base is None else out.base
+        if root.base is not None or root.size != out.size or not root.flags.c_contiguous:
+            raise ShapeError(f"attention_on_views: the output {out.shape} is not the whole of "
+                             f"one buffer, so it cannot be handed out as {out_as}")
+        result, layout = root.reshape(out_as), (out.shape, out.strides)
+    result = wrap(result)
+    if node is not None:
+        if any(_owner(a) is not _owner(xd) for a in (node.q, node.k, node.v)):
+            # backward writes the gradients where the kernel reads the views
+            raise ShapeError(f"attention_on_views: views of shapes {q.shape}, {k.shape}, "
+                             f"{v.shape} and strides {q.strides}, {k.strides}, {v.strides} "
+                             "are not rows the kernels read in place")
+        node.x_shape, node.views, node.chain, node.out_layout = xd.shape, views, chain, layout
+        node.shapes = (q.shape, k.shape, v.shape)
+        attach(result, node, (x,))
+    return result

@@ -1,0 +1,245 @@
+"""mt.compile's rewrites (microtensor/capture/fuse.py) give eager's numbers, bit for bit.
+
+A differential fuzzer draws attention programs in the ways models write them (the heads
+of one projection split by `split`, `chunk`, slicing or `unbind` of a 5-D permute; each
+head arranged by view + transpose or reshape + permute; the output put back by
+transpose + contiguous + view, by reshape, or left as it is), at sizes that divide
+nothing, at 1 and 3 threads, with and without dropout and is_causal, and with the
+things that must stop a rewrite: a view read outside the group, a hook on one, q and k
+the same view, a mask, a source handed in with other strides. Each program runs eagerly
+and compiled on the same seed; every result and gradient must be equal bit for bit, and
+the rewrite must fire exactly where its group is closed.
+
+    pytest tests/test_compile_fusion.py                                     # CI: 240 programs
+    MT_FUZZ_FUSION_PROGRAMS=3000 pytest -m slow tests/test_compile_fusion.py   # long run
+"""
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import microtensor as mt
+import microtensor.nn.functional as F
+from microtensor.capture import fuse as _fuse
+from microtensor.nn._attention_fn import attention_on_views
+
+CI_PROGRAMS = 240
+LONG_PROGRAMS = int(os.environ.get("MT_FUZZ_FUSION_PROGRAMS", "3000"))
+CALLS = 4
+SPLITS = ["split", "chunk", "slice", "unbind"]
+HEADS = ["view_transpose", "reshape_permute"]
+OUTS = ["transpose_contiguous_view", "transpose_reshape", "none"]
+# what stops the rewrite: a view read outside the group, a hook on it, q and k one view,
+# a mask, and (no stop) a source handed in whose strides change at the later calls
+BREAKERS = [None, None, None, "return_q", "retain_grad", "same_qk", "mask", "strided_input"]
+STOPS = {"return_q", "retain_grad", "same_qk", "mask"}
+
+
+def draw(seed):
+    rng = np.random.default_rng(seed)
+    return dict(
+        B=int(rng.integers(1, 4)), T=int(rng.choice([1, 3, 5, 7, 17, 33])),
+        nh=int(rng.integers(1, 4)), hs=int(rng.choice([1, 2, 4, 5, 8])),
+        dtype=[np.float32, np.float64][int(rng.integers(2))],
+        split=SPLITS[rng.integers(len(SPLITS))], heads=HEADS[rng.integers(len(HEADS))],
+        out=OUTS[rng.integers(len(OUTS))], breaker=BREAKERS[rng.integers(len(BREAKERS))],
+        causal=bool(rng.integers(2)), dropout=float(rng.choice([0.0, 0.0, 0.25])),
+        scale=[None, 0.3][int(rng.integers(2))], projection=bool(rng.integers(3)),
+        threads=int(rng.choice([1, 3])), drop_after=float(rng.choice([0.0, 0.0, 0.3])),
+        seed=int(rng.integers(2**31)))
+
+
+def build(p):
+    """The program as a function of (x, W, u): loss and what the breaker returns."""
+    B, T, nh, hs = p["B"], p["T"], p["nh"], p["hs"]
+    C = nh * hs
+    mask = mt.tensor(np.tril(np.ones((T, T), bool))) if p["breaker"] == "mask" else None
+
+    def heads(t):                                   # (B, T, C) -> (B, nh, T, hs)
+        if p["heads"] == "view_transpose":
+            return t.view(B, T, nh, hs).transpose(1, 2)
+        return t.reshape(B, T, nh, hs).permute(0, 2, 1, 3)
+
+    def fn(x, W, u):
+        qkv = F.linear(x, W) if p["projection"] else x
+        if p["split"] == "split":
+            q, k, v = (heads(t) for t in qkv.split(C, dim=2))
+        elif p["split"] == "chunk":
+            q, k, v = (heads(t) for t in qkv.chunk(3, dim=-1))
+        elif p["split"] == "slice":
+            q, k, v = (heads(qkv[:, :, i * C:(i + 1) * C]) for i in range(3))
+        else:
+            q, k, v = qkv.view(B, T, 3, nh, hs).permute(2, 0, 3, 1, 4).unbind(0)
+        extra = None
+        if p["breaker"] == "return_q":
+            extra = q * 1.0
+        elif p["breaker"] == "retain_grad":
+            q.retain_grad()
+        elif p["breaker"] == "same_qk":
+            q = k
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p["dropout"],
+                                           is_causal=p["causal"] and mask is None,
+                                           scale=p["scale"])
+        if p["out"] == "transpose_contiguous_view":
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
+        elif p["out"] == "transpose_reshape":
+            y = y.transpose(1, 2).reshape(B, T, C)
+        y = F.dropout(y, p["drop_after"], training=True)   # p = 0: the rewrite drops it
+        loss = (y * u).sum()
+        loss.backward()
+        return loss, y, extra
+    return fn
+
+
+def inputs(p, call, rng_seed):
+    """x, W, u of one call (calls 0 and 1 the same); x is (B, T, 3C), or (B, T, C') fed
+    to a projection; with "strided_input" the later calls get x with other strides."""
+    B, T, C = p["B"], p["T"], p["nh"] * p["hs"]
+    rng = np.random.default_rng(rng_seed + max(call, 1))
+    width = 5 if p["projection"] else 3 * C
+    xa = rng.standard_normal((B, T, width)).astype(p["dtype"])
+    if p["breaker"] == "strided_input" and call >= 2:
+        xa = np.ascontiguousarray(xa.transpose(1, 0, 2)).transpose(1, 0, 2)   # same values
+    x = mt.from_numpy(xa).requires_grad_()
+    W = mt.from_numpy(rng.standard_normal((3 * C, 5)).astype(p["dtype"])).requires_grad_()
+    u = mt.from_numpy(rng.standard_normal((B, T, C) if p["out"] != "none"
+                                          else (B, p["nh"], T, p["hs"])).astype(p["dtype"]))
+    return x, W, u
+
+
+def run(p, compiled):
+    fn = build(p)
+    if compiled:
+        fn = mt.compile(fn)
+    before = mt.get_num_threads()
+    mt.set_num_threads(p["threads"])
+    mt.manual_seed(p["seed"])
+    outs = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for call in range(CALLS):
+                x, W, u = inputs(p, call, p["seed"])
+                loss, y, extra = fn(x, W, u)
+                outs.append([loss.numpy(), y.numpy()] + ([] if extra is None else [extra.numpy()])
+                            + [x.grad.numpy()] + ([W.grad.numpy()] if p["projection"] else []))
+    finally:
+        mt.set_num_threads(before)
+    return outs, fn
+
+
+def check(seed):
+    p = draw(seed)
+    eager, _ = run(p, False)
+    compiled, fn = run(p, True)
+    for call, (a, b) in enumerate(zip(eager, compiled)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert np.array_equal(x, y, equal_nan=True), (
+                f"program {seed} {p}: call {call}, result {i} differs from eager "
+                f"(max {np.nanmax(np.abs(x - y))})")
+    assert fn.calls["replayed"] == CALLS - 2, (p, fn.eager_reasons)
+    fused = [rec for rec in fn.plan.records if rec.fused and "attention" in rec.label]
+    assert bool(fused) == (p["breaker"] not in STOPS), (seed, p, str(fn.plan))
+    dropouts = [rec for rec in fn.plan.records if rec.fn is F.dropout]
+    assert len(dropouts) == (p["drop_after"] > 0)          # dropped where it changes nothing
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_fusion_fuzz_ci(block):
+    for seed in range(block * CI_PROGRAMS // 4, (block + 1) * CI_PROGRAMS // 4):
+        check(seed)
+
+
+@pytest.mark.slow
+def test_fusion_fuzz_long():
+    for seed in range(CI_PROGRAMS, CI_PROGRAMS + LONG_PROGRAMS):
+        check(seed)
+
+
+# ---- the GPT's step, as the main job runs it ------------------------------------------------
+
+def _gpt_step(compiled, threads, steps=4):
+    from models.gpt import GPT
+    from models.config import GPTConfig
+    before = mt.get_num_threads()
+    mt.set_num_threads(threads)
+    try:
+        mt.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=23, block_size=9, n_layer=2, n_head=3, n_embd=15))
+        opt = mt.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            loss.backward()
+            mt.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss
+        run_step = mt.compile(step) if compiled else step
+        rng = np.random.default_rng(1)
+        losses = []
+        for _ in range(steps):
+            x = mt.tensor(rng.integers(0, 23, (3, 9)))
+            y = mt.tensor(rng.integers(0, 23, (3, 9)))
+            losses.append(run_step(x, y).item())
+        return losses, [p.numpy().copy() for p in model.parameters()], run_step
+    finally:
+        mt.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_gpt_step_fused_is_eager_bit_for_bit(threads):
+    eager, eager_params, _ = _gpt_step(False, threads)
+    fused, fused_params, step = _gpt_step(True, threads)
+    assert eager == fused
+    assert all(np.array_equal(a, b) for a, b in zip(eager_params, fused_params))
+    groups = [rec for rec in step.plan.records if rec.fused]
+    assert len(groups) == 2, str(step.plan)                 # one per attention layer
+    assert "fuses 11 calls" in str(step.plan)
+
+
+def test_fuse_false_replays_the_calls_as_recorded():
+    x = mt.randn(2, 5, 12, requires_grad=True)
+
+    def f(x):
+        q, k, v = x.split(4, dim=2)
+        return F.scaled_dot_product_attention(q.view(2, 5, 2, 2).transpose(1, 2),
+                                              k.view(2, 5, 2, 2).transpose(1, 2),
+                                              v.view(2, 5, 2, 2).transpose(1, 2)).sum()
+    plain, fused = mt.compile(f, fuse=False), mt.compile(f)
+    for _ in range(3):
+        assert plain(x).item() == fused(x).item() == f(x).item()
+    assert not plain.plan.fused and len(fused.plan.fused) == 1
+    assert len(plain.plan) > len(fused.plan)
+
+
+# ---- the fused op on its own ---------------------------------------------------------------
+
+def _views_of(x, B, T, nh, hs):
+    C = nh * hs
+    item = x.numpy().itemsize
+    shape, strides = (B, nh, T, hs), (T * 3 * C * item, hs * item, 3 * C * item, item)
+    return tuple((i * C, shape, strides) for i in range(3))
+
+
+def test_attention_on_views_refuses_views_outside_its_input():
+    x = mt.randn(2, 3, 12)
+    views = list(_views_of(x, 2, 3, 2, 2))
+    views[2] = (views[2][0] + 5, views[2][1], views[2][2])       # runs past the end
+    with pytest.raises(ValueError):
+        attention_on_views(x, tuple(views), None)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        attention_on_views(x.transpose(0, 1), _views_of(x, 2, 3, 2, 2), None)
+    with pytest.raises(mt.ShapeError, match="not q, k and v"):
+        bad = list(_views_of(x, 2, 3, 2, 2))
+        bad[1] = (bad[1][0], (2, 2, 2, 2), bad[1][2])
+        attention_on_views(x, tuple(bad), None)
+
+
+def test_the_rewrite_leaves_overlapping_views_alone():
+    x = mt.randn(2, 3, 12).numpy()
+    views = [(0, (2, 2, 3, 2), (144, 8, 48, 4))] * 2 + [(8, (2, 2, 3, 2), (144, 8, 48, 4))]
+    assert _fuse._overlap(views, x)
+    assert not _fuse._overlap(_views_of(mt.tensor(x), 2, 3, 2, 2), x)
