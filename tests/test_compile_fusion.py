@@ -197,7 +197,12 @@ def test_the_gpt_step_fused_is_eager_bit_for_bit(threads):
     assert all(np.array_equal(a, b) for a, b in zip(eager_params, fused_params))
     groups = [rec for rec in step.plan.records if rec.fused]
     assert len(groups) == 2, str(step.plan)                 # one per attention layer
-    assert "fuses 11 calls" in str(step.plan)
+    text = str(step.plan)
+    assert "fuses 11 calls" in text and "dropped 5 calls that change nothing: F.dropout x5" in text
+    # the backward call lists the rules a replay runs: one per attention, no head split
+    backward = text[text.index("t.backward"):]
+    assert "ViewsAttentionBackward x2" in backward and "PermuteBackward" not in backward
+    assert "as recorded" not in backward
 
 
 def test_fuse_false_replays_the_calls_as_recorded():

@@ -1007,9 +1007,12 @@ def test_gemm_threaded(ta, tb, dtype, M, K, N, nt):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("M, N, nt", [(1001, 131, 2), (1001, 131, 3), (3, 5, 2), (0, 7, 2),
-                                      (513, 33, 3)])
+                                      (513, 33, 3), (16, 64, 2), (48, 512, 3), (17, 1000, 2),
+                                      (1, 40, 2)])
 def test_column_sum_threaded_is_numpys_sum_over_rows(dtype, M, N, nt):
-    g = rng.standard_normal((M, N)).astype(dtype)
+    # whole tiles and bands of the kernel (16 rows, 128 bytes of columns) and their rests;
+    # magnitudes far apart, so an add out of order shows in the bits
+    g = (rng.standard_normal((M, N)) * 10.0 ** rng.integers(-6, 7, (M, 1))).astype(dtype)
     for threads in (1, nt):
         np.testing.assert_array_equal(_blas.column_sum(g, num_threads=threads), g.sum(axis=0))
     # a transposed view is summed as the array it shows

@@ -17,6 +17,7 @@ from microtensor.capture import guards as _guards
 from microtensor.capture import fuse as _fuse
 from microtensor.core._core import Tensor
 
+_BACKWARD_LABELS = ("t.backward", "run_backward")
 _FLOP_LABELS = ("matmul", "F.linear", "F.scaled_dot_product_attention", "bmm", "mm")
 
 
@@ -36,6 +37,8 @@ class Plan:
         self.replays = 0
         self.fused = []               # [(label, [labels of the calls it stands for])]
         self.dropped = []             # labels of the calls a rewrite removed (fuse.py)
+        self._relist = None           # the backward call whose rules the next replay lists
+        self._rules_fused = False     # whether its listed rules are the fused plan's
         self._laid_out()
         self.memory = Memory() if arena else None
         self.lock = threading.Lock()  # one replay at a time: another thread waits
@@ -50,6 +53,28 @@ class Plan:
         self.records, self.result, self.fused, self.dropped = _fuse.fuse(
             self.records, alive, self.result)
         self._laid_out()
+        if self.fused:
+            # the backward pass runs other rules now: the first replay lists them
+            self._relist = next((i for i, rec in enumerate(self.records)
+                                 if rec.label in _BACKWARD_LABELS), None)
+
+    def _listing_rules(self, rec, values):
+        """Run a backward call, listing the rules the engine runs in its info."""
+        rules = []
+
+        def row(node, grad):
+            rules.append(node.name())
+            return node.backward(grad)
+        previous = _core.set_backward_profiler(row)
+        try:
+            out = rec.fn(*[resolve(a, values) for a in rec.args],
+                         **{k: resolve(v, values) for k, v in rec.kwargs.items()})
+        finally:
+            _core.set_backward_profiler(previous)
+        rec.info = [i for i in rec.info if not isinstance(i, str)] + rules
+        self._relist = None
+        self._rules_fused = True
+        return out
 
     def holds(self):
         """Whether the guards still hold: each Module's state (guards.py: its scalar
@@ -79,7 +104,9 @@ class Plan:
                     _core.set_grad_enabled_(rec.grad_mode)
                     mode = rec.grad_mode
                 t0 = clock()
-                if rec.dynamic:
+                if self._relist is not None and i == self._relist:
+                    out = self._listing_rules(rec, values)
+                elif rec.dynamic:
                     out = rec.fn(*[resolve(a, values) for a in rec.args],
                                  **{k: resolve(v, values) for k, v in rec.kwargs.items()})
                 else:
@@ -124,8 +151,8 @@ class Plan:
                 lines.append(f"        fuses {len(rec.fused)} calls: {_counted(rec.fused)}")
             nodes = [n for n in rec.info if isinstance(n, str)]
             if nodes:
-                lines.append(f"        runs {len(nodes)} backward rules (as recorded, "
-                             f"before fusion): {_counted(nodes)}")
+                when = "" if self._rules_fused or not self.fused else " (as recorded, before fusion)"
+                lines.append(f"        runs {len(nodes)} backward rules{when}: {_counted(nodes)}")
         if self.dropped:
             lines.append(f"dropped {len(self.dropped)} calls that change nothing: "
                          f"{_counted(self.dropped)} (p = 0 or training off)")
