@@ -128,12 +128,16 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     rows = _contig(rows)                                 # (M, C)
     tgt = _owned_indices(tgt)                            # (M,), checked below, kept for backward
     M, C = rows.shape
-    keep = tgt != ignore_index
-    bad = keep & ((tgt < 0) | (tgt >= C))
-    if bad.any():
-        v = int(tgt[np.argmax(bad)])
-        raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
-                         f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
+    if M and 0 <= tgt.min() and tgt.max() < C and not 0 <= ignore_index < C:
+        count = M                       # every target a class, none ignored (the usual case)
+    else:
+        keep = tgt != ignore_index
+        bad = keep & ((tgt < 0) | (tgt >= C))
+        if bad.any():
+            v = int(tgt[np.argmax(bad)])
+            raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
+                             f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
+        count = int(keep.sum())
     losses = np.empty(M, x.dtype)
     rowmax = np.empty(M, x.dtype)                        # each row's log-sum-exp as the
     logsum = np.empty(M, x.dtype)                        # pair (max, log-sum), never added
@@ -142,11 +146,12 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                                     float(label_smoothing), _threads(rows.size))
     else:
         losses[:] = 0
-    count = int(keep.sum())
     if reduction == "none":
         out = losses.reshape(out_shape)
     elif reduction == "sum":
         out = np.asarray(losses.sum(dtype=np.float64), dtype=x.dtype)
+    elif count:
+        out = np.asarray(losses.sum(dtype=np.float64) / count, dtype=x.dtype)
     else:
         with np.errstate(invalid="ignore", divide="ignore"):   # all ignored: nan, as torch
             out = np.asarray(losses.sum(dtype=np.float64) / count, dtype=x.dtype)
