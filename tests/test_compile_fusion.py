@@ -246,5 +246,10 @@ def test_attention_on_views_refuses_views_outside_its_input():
 def test_the_rewrite_leaves_overlapping_views_alone():
     x = mt.randn(2, 3, 12).numpy()
     views = [(0, (2, 2, 3, 2), (144, 8, 48, 4))] * 2 + [(8, (2, 2, 3, 2), (144, 8, 48, 4))]
-    assert _fuse._overlap(views, x)
+    assert _fuse._overlap(views, x)                                   # two views, one place
     assert not _fuse._overlap(_views_of(mt.tensor(x), 2, 3, 2, 2), x)
+    # within one view: a broadcast dim (stride 0), rows closer than their length, a stride
+    # that is not whole elements
+    for strides in [(0, 48, 4), (144, 4, 4), (144, 48, 6)]:
+        assert _fuse._overlap([(0, (2, 3, 2), strides)], x), strides
+    assert not _fuse._overlap([(0, (2, 3, 2), (144, 48, 4)), (2, (2, 3, 2), (144, 48, 4))], x)

@@ -260,17 +260,23 @@ def _spec_in(view, x):
 
 def _overlap(specs, x):
     """Whether two elements of the views are one element of x (a gradient written there
-    would be overwritten, where eager adds)."""
-    count = np.zeros(x.size, np.int64)
+    would be overwritten, where eager adds): within a view (its dims, by stride, must
+    each step past everything the smaller ones span) or between two of them
+    (np.shares_memory, exact)."""
+    flat = x.reshape(-1)
+    views = []
     for offset, shape, strides in specs:
-        index = np.full(shape, offset, np.int64)
-        for d, (n, s) in enumerate(zip(shape, strides)):
-            step = np.arange(n, dtype=np.int64) * (s // x.itemsize)
-            index += step.reshape((1,) * d + (n,) + (1,) * (len(shape) - d - 1))
         if any(s % x.itemsize for s in strides):
             return True
-        count += np.bincount(index.reshape(-1), minlength=x.size)
-    return bool((count > 1).any())
+        dims = sorted((s, n) for n, s in zip(shape, strides) if n > 1)
+        span = x.itemsize
+        for s, n in dims:
+            if s < span:
+                return True
+            span = s * (n - 1) + span
+        views.append(np.ndarray(shape, x.dtype, buffer=flat, offset=offset * x.itemsize,
+                                strides=strides))
+    return any(np.shares_memory(a, b) for i, a in enumerate(views) for b in views[i + 1:])
 
 
 class AttentionOnViews:
