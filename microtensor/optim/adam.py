@@ -46,12 +46,12 @@ class Adam(Optimizer):
             beta1, beta2 = group["betas"]
             amsgrad = group["amsgrad"]
             options = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-            together = {}          # dtype -> the flat arrays of the group's parameters
+            together = {}          # dtype -> the flat arrays of each of the group's parameters
             for pi, p in enumerate(group["params"]):
                 if p._grad is None:
                     continue
                 # every array the kernel reads is checked first (O(1): shapes and dtypes)
-                g = _check_param(self, p, f"parameter {pi} of param group {gi}")
+                g = _check_param(self, p, pi, gi)
                 state = self.state.setdefault(p, {})
                 exp_avg = self._state_buffer(state, "exp_avg", p)._data.reshape(-1)
                 exp_avg_sq = self._state_buffer(state, "exp_avg_sq", p)._data.reshape(-1)
@@ -69,11 +69,10 @@ class Adam(Optimizer):
                     state["step"] = step
                     _bump_version(p)
                 else:
-                    arrays = together.setdefault(param.dtype, ([], [], [], [], [], [], []))
-                    for where, a in zip(arrays, (param, grad, exp_avg, exp_avg_sq,
-                                                 max_exp_avg_sq, step, p)):
-                        where.append(a)
-            for params, grads, avgs, sqs, maxes, steps, owners in together.values():
+                    together.setdefault(param.dtype, []).append(
+                        (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, p))
+            for rows in together.values():
+                params, grads, avgs, sqs, maxes, steps, owners = map(list, zip(*rows))
                 # the kernel checks every array before it writes any: on an error no
                 # parameter of the call has moved, and no step count either
                 adam_step_many(params, grads, avgs, sqs, maxes, np.array(steps, np.float64),

@@ -275,22 +275,29 @@ def _step_count(value, index):
     return int(value)
 
 
-def _check_param(opt, p, where):
-    """Before a kernel touches p: a float parameter with a float gradient of its shape.
-    Returns p's gradient array (any layout and float dtype)."""
+def _check_param(opt, p, index, group):
+    """Before a kernel touches p (parameter `index` of param group `group`): a float
+    parameter with a float gradient of its shape. Returns p's gradient array (any layout
+    and float dtype)."""
     data = p._data
-    if data.dtype != np.float32 and data.dtype != np.float64:
-        raise TypeError(f"{type(opt).__name__}.step(): {where} has dtype {data.dtype}; "
-                        "optimizers update float32 and float64 tensors")
+    if data.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{type(opt).__name__}.step(): parameter {index} of param group "
+                        f"{group} has dtype {data.dtype}; optimizers update float32 and "
+                        "float64 tensors")
     grad = p._grad
     g = grad._data if isinstance(grad, Tensor) else np.asarray(grad)
     if g.shape != data.shape:
-        raise ShapeError(f"{type(opt).__name__}.step(): the gradient of {where} has shape "
-                         f"{g.shape}, but the parameter has shape {data.shape}")
+        raise ShapeError(f"{type(opt).__name__}.step(): the gradient of parameter {index} of "
+                         f"param group {group} has shape {g.shape}, but the parameter has "
+                         f"shape {data.shape}")
     if g.dtype.kind != "f":
-        raise TypeError(f"{type(opt).__name__}.step(): the gradient of {where} has dtype "
-                        f"{g.dtype}; gradients must be floating point")
+        raise TypeError(f"{type(opt).__name__}.step(): the gradient of parameter {index} of "
+                        f"param group {group} has dtype {g.dtype}; gradients must be "
+                        "floating point")
     return g
+
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _bump_version(p):

@@ -40,7 +40,7 @@ class SGD(Optimizer):
                 if p._grad is None:
                     continue
                 # every array the kernel reads is checked first (O(1): shapes and dtypes)
-                g = _check_param(self, p, f"parameter {pi} of param group {gi}")
+                g = _check_param(self, p, pi, gi)
                 if momentum != 0:
                     state = self.state.setdefault(p, {})
                     first_step = state.get("momentum_buffer") is None
