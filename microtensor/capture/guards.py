@@ -78,14 +78,16 @@ def state(instance):
     """The guarded state of one module: a tuple compared with == (ints and scalar ids).
     (Read before every replay of a plan: the common kinds are tested first, by type.)"""
     parts = []
+    append = parts.append
     for name, value in instance.__dict__.items():
         kind = type(value)
-        if kind in _PLAIN:
-            parts.append((name, (kind, value)))
+        if kind is dict or (kind not in _PLAIN and isinstance(value, dict)):
+            if name in _GUARDED_DICTS or name.endswith("_hooks"):
+                append((name, tuple(value), tuple(map(id, value.values())) if value else ()))
+        elif kind in _PLAIN:
+            append((name, (kind, value)))
         elif kind is float or kind is complex or isinstance(value, np.generic):
-            parts.append((name, scalar_id(value)))
-        elif isinstance(value, dict) and (name in _GUARDED_DICTS or name.endswith("_hooks")):
-            parts.append((name, tuple(value), tuple(map(id, value.values())) if value else ()))
+            append((name, scalar_id(value)))
     return tuple(parts)
 
 
