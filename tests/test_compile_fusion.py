@@ -253,3 +253,24 @@ def test_the_rewrite_leaves_overlapping_views_alone():
     for strides in [(0, 48, 4), (144, 4, 4), (144, 48, 6)]:
         assert _fuse._overlap([(0, (2, 3, 2), strides)], x), strides
     assert not _fuse._overlap([(0, (2, 3, 2), (144, 48, 4)), (2, (2, 3, 2), (144, 48, 4))], x)
+
+
+@pytest.mark.parametrize("out_as", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_on_views_gradients_against_central_differences(out_as, causal):
+    B, T, nh, hs = 2, 5, 3, 2
+    C = nh * hs
+    x = mt.tensor(np.random.default_rng(4).standard_normal((B, T, 3 * C)), requires_grad=True)
+    views = _views_of(x, B, T, nh, hs)
+
+    def chain(x):
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in x.split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return y.transpose(1, 2).contiguous().view(B, T, C) if out_as else y
+
+    def f(x):
+        return attention_on_views(x, views, chain, (B, T, C) if out_as else None,
+                                  is_causal=causal)
+    assert type(f(x).grad_fn).__name__ == "ViewsAttentionBackward"
+    assert mt.autograd.gradcheck(f, (x,))           # float64, central differences
+    assert mt.autograd.gradgradcheck(f, (x,))
