@@ -27,7 +27,7 @@ import inspect
 import numpy as np
 
 from microtensor.core import _core
-from microtensor.capture.recorder import Record, Slot, Seq, resolve
+from microtensor.capture.recorder import Record, Slot, Seq, resolve, slots_in
 
 _attention_fn = F = _SDPA = None     # read at the first fusion (nn imports the capture)
 
@@ -55,21 +55,12 @@ def fuse(records, alive, result):
 
 # ---- reading templates -----------------------------------------------------------------
 
-def _slots(template, found):
-    if type(template) is Slot:
-        found.append(template.index)
-    elif type(template) is Seq:
-        for t in template.items:
-            _slots(t, found)
-    return found
-
-
 def _reads(rec):
     found = []
     for a in rec.args:
-        _slots(a, found)
+        slots_in(a, found)
     for a in rec.kwargs.values():
-        _slots(a, found)
+        slots_in(a, found)
     return found
 
 
@@ -115,7 +106,7 @@ def _attention_on_views(records, alive, result, kinds):
     for i, rec in enumerate(records):
         for s in _reads(rec):
             readers.setdefault(s, set()).add(i)
-    kept = set(_slots(result, []))
+    kept = set(slots_in(result, []))
     made_by = {slot: i for i, rec in enumerate(records) for _, slot in rec.outs}
     replaced, fused_at, groups = set(), {}, []
     for i, rec in enumerate(records):

@@ -10,7 +10,7 @@ import threading
 import time
 
 from microtensor.core import _core
-from microtensor.capture.recorder import Slot, Seq, resolve, same_constant
+from microtensor.capture.recorder import Slot, Seq, resolve, same_constant, slots_in
 from microtensor.capture.memory import Memory
 from microtensor.capture.names import names_hold
 from microtensor.capture import guards as _guards
@@ -184,27 +184,18 @@ def _counted(labels):
     return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
 
 
-def _slots_in(template, found):
-    if type(template) is Slot:
-        found.add(template.index)
-    elif type(template) is Seq:
-        for t in template.items:
-            _slots_in(t, found)
-    return found
-
-
 def _last_uses(records, n, result):
     """release[i]: the slots record i reads (or makes) for the last time; the result's
     slots are kept to the end."""
     last = {}
     for i, rec in enumerate(records):
-        used = set()
+        used = []
         for a in list(rec.args) + list(rec.kwargs.values()):
-            _slots_in(a, used)
-        used.update(slot for _, slot in rec.outs)
+            slots_in(a, used)
+        used.extend(slot for _, slot in rec.outs)
         for slot in used:
             last[slot] = i
-    keep = _slots_in(result, set())
+    keep = set(slots_in(result, []))
     release = [[] for _ in records]
     for slot, i in last.items():
         if slot not in keep:

@@ -240,6 +240,17 @@ def resolve(template, values):
     return template
 
 
+def slots_in(template, found):
+    """found (a list), with the slot index of every Slot in a template appended."""
+    kind = type(template)
+    if kind is Slot:
+        found.append(template.index)
+    elif kind is Seq:
+        for t in template.items:
+            slots_in(t, found)
+    return found
+
+
 def has_slots(template):
     kind = type(template)
     return kind is Slot or (kind is Seq and any(has_slots(t) for t in template.items))

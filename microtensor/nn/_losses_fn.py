@@ -105,6 +105,18 @@ class CrossEntropyBackward(Node):
 declare_saved(CrossEntropyBackward, 0)
 
 
+def _kept_targets(tgt, C, ignore_index):
+    """The mask of the targets not equal to ignore_index; IndexError naming the first
+    of them that is not a class of C."""
+    keep = tgt != ignore_index
+    bad = keep & ((tgt < 0) | (tgt >= C))
+    if bad.any():
+        v = int(tgt[np.argmax(bad)])
+        raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
+                         f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
+    return keep
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0):
     """loss = -log softmax(x)[target], averaged over the targets that are not ignore_index
@@ -131,13 +143,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if M and 0 <= tgt.min() and tgt.max() < C and not 0 <= ignore_index < C:
         count = M                       # every target a class, none ignored (the usual case)
     else:
-        keep = tgt != ignore_index
-        bad = keep & ((tgt < 0) | (tgt >= C))
-        if bad.any():
-            v = int(tgt[np.argmax(bad)])
-            raise IndexError(f"cross_entropy: target {v} is out of bounds for {C} classes "
-                             f"(valid: 0 to {C - 1}, or ignore_index={ignore_index})")
-        count = int(keep.sum())
+        count = int(_kept_targets(tgt, C, ignore_index).sum())
     losses = np.empty(M, x.dtype)
     rowmax = np.empty(M, x.dtype)                        # each row's log-sum-exp as the
     logsum = np.empty(M, x.dtype)                        # pair (max, log-sum), never added
@@ -203,12 +209,7 @@ def _cross_entropy_weighted(input, t, weight, ignore_index, reduction, label_smo
     rows, tgt, out_shape, how = _ce_rows(x._data, t, "cross_entropy")
     dim = 1 if x.ndim >= 2 else 0
     n_classes = x.shape[dim]
-    keep = tgt != ignore_index
-    bad = keep & ((tgt < 0) | (tgt >= n_classes))
-    if bad.any():
-        v = int(tgt[np.argmax(bad)])
-        raise IndexError(f"cross_entropy: target {v} is out of bounds for {n_classes} classes "
-                         f"(valid: 0 to {n_classes - 1}, or ignore_index={ignore_index})")
+    keep = _kept_targets(tgt, n_classes, ignore_index)
     tt = np.where(keep, tgt, 0).reshape(out_shape)
     mask = (np.expand_dims(tt, dim) == np.arange(n_classes).reshape(
         (n_classes,) + (1,) * (x.ndim - dim - 1))) & np.expand_dims(keep.reshape(out_shape), dim)
