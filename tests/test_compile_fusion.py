@@ -1,4 +1,5 @@
-"""mt.compile's rewrites (microtensor/capture/fuse.py) give eager's numbers, bit for bit.
+"""mt.compile's rewrites (microtensor/capture/fuse.py, nn/_rewrites.py) give eager's numbers,
+bit for bit.
 
 A differential fuzzer draws attention programs in the ways models write them (the heads
 of one projection split by `split`, `chunk`, slicing or `unbind` of a 5-D permute; each
@@ -142,6 +143,11 @@ def check(seed):
     assert fn.calls["replayed"] == CALLS - 2, (p, fn.eager_reasons)
     fused = [rec for rec in fn.plan.records if rec.fused and "attention" in rec.label]
     assert bool(fused) == (p["breaker"] not in STOPS), (seed, p, str(fn.plan))
+    if fused:       # an argument with other strides: the calls one by one, and the plan says so
+        moved = (p["breaker"] == "strided_input" and not p["projection"]
+                 and inputs(p, 2, 0)[0]._data.strides != inputs(p, 0, 0)[0]._data.strides)
+        assert fused[0].fn.fallbacks == (CALLS - 2 if moved else 0)
+        assert ("ran them one by one in 2 replays" in str(fn.plan)) == moved
     dropouts = [rec for rec in fn.plan.records if rec.fn is F.dropout]
     assert len(dropouts) == (p["drop_after"] > 0)          # dropped where it changes nothing
 
@@ -246,13 +252,13 @@ def test_attention_on_views_refuses_views_outside_its_input():
 def test_the_rewrite_leaves_overlapping_views_alone():
     x = mt.randn(2, 3, 12).numpy()
     views = [(0, (2, 2, 3, 2), (144, 8, 48, 4))] * 2 + [(8, (2, 2, 3, 2), (144, 8, 48, 4))]
-    assert _fuse._overlap(views, x)                                   # two views, one place
-    assert not _fuse._overlap(_views_of(mt.tensor(x), 2, 3, 2, 2), x)
+    assert _fuse.overlap(views, x)                                   # two views, one place
+    assert not _fuse.overlap(_views_of(mt.tensor(x), 2, 3, 2, 2), x)
     # within one view: a broadcast dim (stride 0), rows closer than their length, a stride
     # that is not whole elements
     for strides in [(0, 48, 4), (144, 4, 4), (144, 48, 6)]:
-        assert _fuse._overlap([(0, (2, 3, 2), strides)], x), strides
-    assert not _fuse._overlap([(0, (2, 3, 2), (144, 48, 4)), (2, (2, 3, 2), (144, 48, 4))], x)
+        assert _fuse.overlap([(0, (2, 3, 2), strides)], x), strides
+    assert not _fuse.overlap([(0, (2, 3, 2), (144, 48, 4)), (2, (2, 3, 2), (144, 48, 4))], x)
 
 
 @pytest.mark.parametrize("out_as", [True, False])

@@ -208,7 +208,8 @@ class CompiledFunction:
 def compile(fn=None, *, max_plans=8, verbose=False, arena=True, fuse=True, **torch_options):
     """Record `fn`'s ops on its first two calls and replay them after (see
     microtensor/capture/compiled.py). Works as `mt.compile(fn)` and as `@mt.compile`.
-    fuse=False replays the recorded calls as they are (no rewrites: capture/fuse.py).
+    fuse=False replays the recorded calls as they are (no rewrites: capture/fuse.py,
+    nn/_rewrites.py).
     torch.compile's options (mode=, fullgraph=, dynamic=, backend=) are accepted and
     have no effect."""
     unknown = set(torch_options) - {"mode", "fullgraph", "dynamic", "backend", "options",

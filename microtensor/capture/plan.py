@@ -135,7 +135,8 @@ class Plan:
     def __str__(self):
         lines = [f"plan: {len(self.records)} calls, {self.slots} tensors in slots, "
                  f"{self.externals} external tensors (parameters, constants), "
-                 f"{len(self.guards)} guarded modules, {len(self.names)} guarded names; {_mb(self.bytes)} of new results per call"
+                 f"{len(self.guards)} guarded modules, {len(self.names)} guarded names; "
+                 f"{_mb(self.bytes)} of new results per call"
                  + (f"; {len(self.fused)} fused calls (each stands for the calls it lists)"
                     if self.fused else "")]
         for i, rec in enumerate(self.records):
@@ -149,9 +150,13 @@ class Plan:
                          + (f"  -> {outs}{size}" if outs else ""))
             if rec.fused:
                 lines.append(f"        fuses {len(rec.fused)} calls: {_counted(rec.fused)}")
+                if getattr(rec.fn, "fallbacks", 0):
+                    lines.append(f"        ran them one by one in {rec.fn.fallbacks} replays (its "
+                                 "input came with other strides than when recorded)")
             nodes = [n for n in rec.info if isinstance(n, str)]
             if nodes:
-                when = "" if self._rules_fused or not self.fused else " (as recorded, before fusion)"
+                when = ("" if self._rules_fused or not self.fused
+                        else " (as recorded, before fusion)")
                 lines.append(f"        runs {len(nodes)} backward rules{when}: {_counted(nodes)}")
         if self.dropped:
             lines.append(f"dropped {len(self.dropped)} calls that change nothing: "

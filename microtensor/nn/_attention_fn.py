@@ -72,7 +72,8 @@ def _pairs(a, batch, T, d):
     b2 = batch[-1] if batch else 1
     a4 = a.reshape((math.prod(batch[:-1]), b2, T, d))     # a view unless the batch dims cannot fold
     item = a4.itemsize
-    if (d > 1 and a4.strides[3] != item) or (T > 1 and (a4.strides[2] % item or a4.strides[2] < d * item)):
+    if (d > 1 and a4.strides[3] != item) or (
+            T > 1 and (a4.strides[2] % item or a4.strides[2] < d * item)):
         a4 = np.ascontiguousarray(a4)
     return a4
 
@@ -294,7 +295,8 @@ def _view(flat, spec):
     """The view (offset in elements, shape, strides in bytes) of a flat array; numpy checks
     that it lies inside the array (ValueError otherwise)."""
     offset, shape, strides = spec
-    return np.ndarray(shape, flat.dtype, buffer=flat, offset=offset * flat.itemsize, strides=strides)
+    return np.ndarray(shape, flat.dtype, buffer=flat, offset=offset * flat.itemsize,
+                      strides=strides)
 
 
 def _owner(a):
@@ -354,8 +356,9 @@ def attention_on_views(x, views, chain, out_as=None, dropout_p=0.0, is_causal=Fa
     hs = q.shape[-1]
     scale = (1.0 / math.sqrt(hs) if hs else math.inf) if scale is None else float(scale)
     slabs, index = np.zeros((1, 1, 1), xd.dtype), np.zeros(1, np.int64)
+    node_type = ViewsAttentionBackward if needs_graph((x,)) else None
     out, node = _attend(q, k, v, q.shape[:-2], slabs, index, False, float(dropout_p),
-                        bool(is_causal), scale, ViewsAttentionBackward if needs_graph((x,)) else None)
+                        bool(is_causal), scale, node_type)
     result, layout = out, None
     if out_as is not None:
         root = out if out.base is None else out.base
