@@ -249,6 +249,23 @@ def test_attention_on_views_refuses_views_outside_its_input():
         attention_on_views(x, tuple(bad), None)
 
 
+@pytest.mark.parametrize("field", range(5))
+def test_attention_on_views_refuses_hostile_views_one_field_at_a_time(field):
+    """A view spec built by hand, wrong in one field: an exception, never a crash."""
+    x = mt.randn(2, 3, 12, requires_grad=True)
+    good = list(_views_of(x, 2, 3, 2, 2))
+    offset, shape, strides = good[field % 3]
+    bad = [(-4, shape, strides),                          # before the start
+           (offset, shape, (144, 8, 48, 2)),              # a last dim not whole elements
+           (offset, (2, 2, 3, 2.5), strides),             # a shape that is not ints
+           (offset, shape, (144, 8, -48, 4)),             # rows running backwards
+           (offset, shape[:3], strides[:3])][field]       # a dim short of q, k, v
+    views = good[:field % 3] + [bad] + good[field % 3 + 1:]
+    with pytest.raises((ValueError, TypeError, mt.ShapeError), match="attention_on_views"):
+        y = attention_on_views(x, tuple(views), None, is_causal=True)
+        y.sum().backward()
+
+
 def test_the_rewrite_leaves_overlapping_views_alone():
     x = mt.randn(2, 3, 12).numpy()
     views = [(0, (2, 2, 3, 2), (144, 8, 48, 4))] * 2 + [(8, (2, 2, 3, 2), (144, 8, 48, 4))]

@@ -299,6 +299,15 @@ def _view(flat, spec):
                       strides=strides)
 
 
+def _view_of(flat, spec, name, shape):
+    """_view, its errors naming the view and the input."""
+    try:
+        return _view(flat, spec)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"attention_on_views: {name} as (offset, shape, strides) = {spec!r} is "
+                      f"not a view inside the input of shape {shape} ({e})") from None
+
+
 def _owner(a):
     """The array that owns a view's memory."""
     while isinstance(a.base, np.ndarray):
@@ -346,7 +355,7 @@ def attention_on_views(x, views, chain, out_as=None, dropout_p=0.0, is_causal=Fa
         raise ValueError(f"attention_on_views: the input must be C-contiguous, got strides "
                          f"{xd.strides} for shape {xd.shape}")
     flat = xd.reshape(-1)
-    q, k, v = (_view(flat, spec) for spec in views)
+    q, k, v = (_view_of(flat, spec, name, xd.shape) for spec, name in zip(views, "qkv"))
     if not (q.ndim >= 2 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
             and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2]):
         raise ShapeError(f"attention_on_views: views of shapes {q.shape}, {k.shape}, {v.shape} "
