@@ -34,7 +34,7 @@ def register_rule(rule):
 def fuse(records, alive, result):
     """(records, result template, groups, dropped) after every rule; alive[i] is slot i's
     tensor in the recording the plan was made from. groups: [(label, [labels of the calls
-    it stands for])]; dropped: the labels of the calls removed. Both for printing."""
+    it stands for])]; dropped: [(label, why)] of the calls removed. Both for printing."""
     view = PlanView(records, alive, result)
     for rule in _RULES:
         rule(view)
@@ -130,15 +130,15 @@ class PlanView:
         return True
 
     # -- changing -----------------------------------------------------------------------
-    def drop(self, i, source):
+    def drop(self, i, source, why):
         """Remove record i, whose one output is the tensor in slot `source`: its readers
-        (and the result) read source."""
+        (and the result) read source. `why` says so in the plan's printout."""
         rec = self.records.pop(i)
         mapping = {rec.outs[0][1]: source}
         self.records = [_renamed(r, mapping) if j >= i else r
                         for j, r in enumerate(self.records)]
         self.result = _rename(self.result, mapping)
-        self.dropped.append(rec.label)
+        self.dropped.append((rec.label, why))
         self._index()
 
     def replace(self, members, at, call, out_slot):

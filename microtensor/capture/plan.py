@@ -36,7 +36,7 @@ class Plan:
         self.final_grad_mode = getattr(recorder, "final_grad_mode", None)
         self.replays = 0
         self.fused = []               # [(label, [labels of the calls it stands for])]
-        self.dropped = []             # labels of the calls a rewrite removed (fuse.py)
+        self.dropped = []             # (label, why) of the calls a rewrite removed (fuse.py)
         self._relist = None           # the backward call whose rules the next replay lists
         self._rules_fused = False     # whether its listed rules are the fused plan's
         self._laid_out()
@@ -159,8 +159,10 @@ class Plan:
                         else " (as recorded, before fusion)")
                 lines.append(f"        runs {len(nodes)} backward rules{when}: {_counted(nodes)}")
         if self.dropped:
-            lines.append(f"dropped {len(self.dropped)} calls that change nothing: "
-                         f"{_counted(self.dropped)} (p = 0 or training off)")
+            labels = [label for label, _ in self.dropped]
+            whys = "; ".join(dict.fromkeys(f"{label}: {why}" for label, why in self.dropped))
+            lines.append(f"dropped {len(labels)} calls that change nothing: "
+                         f"{_counted(labels)} ({whys})")
         lines.append("the replay drops each tensor after its last call (backward frees as it goes)")
         lines.append(self.memory.describe() if self.memory is not None else
                      "memory: no arena (each op allocates its results as in eager mode)")

@@ -32,7 +32,7 @@ def drop_identity_dropouts(view):
                 and view.alive[rec.outs[0][1]] is view.alive[rec.args[0].index]):
             # F.dropout returns its input exactly when p == 0 or training is off, which
             # are constants of the record: the replay would return it again
-            view.drop(i, rec.args[0].index)
+            view.drop(i, rec.args[0].index, "p = 0 or training off: it returns its input")
             continue
         i += 1
 
