@@ -43,6 +43,11 @@ def _partials(R, n, dtype):
     return np.zeros((chunks, n), dtype=dtype)
 
 
+def _summed(partials):
+    """partials.sum(0), bit for bit (one row: the row + 0, as numpy's sum gives -0.0 + 0)."""
+    return partials[0] + 0 if partials.shape[0] == 1 else partials.sum(0)
+
+
 
 def _row_eps(node, x2, centered):
     """The eps the forward used. The nodes keep rstd, not eps: eps = 1/rstd^2 - var, per
@@ -75,13 +80,13 @@ class LayerNormBackward(FusedNode):
         g2 = _grad_as(g, x2.shape, x2.dtype)
         dinp = np.empty_like(x2)
         dweight = _partials(R, n, x2.dtype)
-        dbias = np.zeros_like(dweight)
+        dbias = np.zeros(dweight.shape, dweight.dtype)
         if x2.size:
             _kernels.fused.layernorm_backward(dinp, dweight, dbias, g2, x2, self.w1, self.mean,
                                       self.rstd, dweight.shape[0])
         dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
-        dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
-        db = dbias.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 2) else None
+        dw = _summed(dweight).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
+        db = _summed(dbias).reshape(self.normalized_shape) if _wants_grad(self, 2) else None
         return (dx, dw, db)
 
     def composite(self, x, w=None, b=None):
@@ -141,7 +146,7 @@ class RMSNormBackward(FusedNode):
         if x2.size:
             _kernels.fused.rmsnorm_backward(dinp, dweight, g2, x2, self.w1, self.rstd, dweight.shape[0])
         dx = dinp.reshape(self.x_shape) if _wants_grad(self, 0) else None
-        dw = dweight.sum(0).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
+        dw = _summed(dweight).reshape(self.normalized_shape) if _wants_grad(self, 1) else None
         return (dx, dw)
 
     def composite(self, x, w=None):
