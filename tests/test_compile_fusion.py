@@ -48,7 +48,7 @@ def draw(seed):
         causal=bool(rng.integers(2)), dropout=float(rng.choice([0.0, 0.0, 0.25])),
         scale=[None, 0.3][int(rng.integers(2))], projection=bool(rng.integers(3)),
         threads=int(rng.choice([1, 3])), drop_after=float(rng.choice([0.0, 0.0, 0.3])),
-        seed=int(rng.integers(2**31)))
+        seed=int(rng.integers(2**31)), grad=bool(rng.integers(5)))
 
 
 def build(p):
@@ -63,6 +63,14 @@ def build(p):
         return t.reshape(B, T, nh, hs).permute(0, 2, 1, 3)
 
     def fn(x, W, u):
+        if not p["grad"]:                           # inference: no graph, no backward
+            with mt.no_grad():
+                return attend(x, W, u)
+        loss, y, extra = attend(x, W, u)
+        loss.backward()
+        return loss, y, extra
+
+    def attend(x, W, u):
         qkv = F.linear(x, W) if p["projection"] else x
         if p["split"] == "split":
             q, k, v = (heads(t) for t in qkv.split(C, dim=2))
@@ -75,7 +83,7 @@ def build(p):
         extra = None
         if p["breaker"] == "return_q":
             extra = q * 1.0
-        elif p["breaker"] == "retain_grad":
+        elif p["breaker"] == "retain_grad" and p["grad"]:
             q.retain_grad()
         elif p["breaker"] == "same_qk":
             q = k
@@ -87,9 +95,7 @@ def build(p):
         elif p["out"] == "transpose_reshape":
             y = y.transpose(1, 2).reshape(B, T, C)
         y = F.dropout(y, p["drop_after"], training=True)   # p = 0: the rewrite drops it
-        loss = (y * u).sum()
-        loss.backward()
-        return loss, y, extra
+        return (y * u).sum(), y, extra
     return fn
 
 
@@ -123,8 +129,10 @@ def run(p, compiled):
             for call in range(CALLS):
                 x, W, u = inputs(p, call, p["seed"])
                 loss, y, extra = fn(x, W, u)
+                grads = ([x.grad.numpy()] + ([W.grad.numpy()] if p["projection"] else [])
+                         if p["grad"] else [])
                 outs.append([loss.numpy(), y.numpy()] + ([] if extra is None else [extra.numpy()])
-                            + [x.grad.numpy()] + ([W.grad.numpy()] if p["projection"] else []))
+                            + grads)
     finally:
         mt.set_num_threads(before)
     return outs, fn
@@ -142,7 +150,8 @@ def check(seed):
                 f"(max {np.nanmax(np.abs(x - y))})")
     assert fn.calls["replayed"] == CALLS - 2, (p, fn.eager_reasons)
     fused = [rec for rec in fn.plan.records if rec.fused and "attention" in rec.label]
-    assert bool(fused) == (p["breaker"] not in STOPS), (seed, p, str(fn.plan))
+    stopped = p["breaker"] in STOPS and not (p["breaker"] == "retain_grad" and not p["grad"])
+    assert bool(fused) == (not stopped), (seed, p, str(fn.plan))
     if fused:       # an argument with other strides: the calls one by one, and the plan says so
         moved = (p["breaker"] == "strided_input" and not p["projection"]
                  and inputs(p, 2, 0)[0]._data.strides != inputs(p, 0, 0)[0]._data.strides)
