@@ -3,6 +3,7 @@ options, inference mode, matmul precision."""
 import numpy as np
 
 import microtensor.core._core as _core
+from microtensor.core.dtypes import KERNEL_FLOATS
 
 __all__ = ["set_default_dtype", "get_default_dtype", "set_printoptions", "inference_mode",
            "is_inference_mode_enabled", "set_float32_matmul_precision",
@@ -14,7 +15,7 @@ __all__ = ["set_default_dtype", "get_default_dtype", "set_printoptions", "infere
 
 def _float_dtype(dtype, op):
     dt = _core.as_dtype(dtype)
-    if np.dtype(dt) not in (np.dtype(np.float32), np.dtype(np.float64)):
+    if np.dtype(dt) not in KERNEL_FLOATS:
         raise TypeError(f"{op}(): only floating-point types are supported as the default type, "
                         f"got {dtype}")
     return dt

@@ -9,6 +9,10 @@ import numpy as np
 
 from microtensor.core import _core
 
+# The numpy dtypes the kernels compute in; `x.dtype in KERNEL_FLOATS` finds numpy's own
+# dtype objects by identity, before any comparison.
+KERNEL_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
 
 class dtype:
     """A tensor element type, named as torch names it."""

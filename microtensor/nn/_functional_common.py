@@ -10,6 +10,7 @@ import numpy as np
 
 import microtensor.core._core as _core
 from microtensor.core._core import Tensor
+from microtensor.core.dtypes import KERNEL_FLOATS
 
 # Which tensors each rule reads in backward (the version check of in-place changes looks
 # at these only, as torch checks the tensors it saved): input positions, and the output.
@@ -40,7 +41,7 @@ def _tensor(x, what):
     return x
 
 
-_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_F32, _F64 = KERNEL_FLOATS
 
 
 def _float_array(x, what):

@@ -8,6 +8,7 @@ from microtensor.core._core import Tensor, wrap
 from microtensor.core._grads import zero_grads  # noqa: F401  (Module.zero_grad reads it here)
 from microtensor.capture.recorder import recorded_call
 from microtensor.kernels import _foreach
+from microtensor.core.dtypes import KERNEL_FLOATS as _FLOATS
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
@@ -97,9 +98,6 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                 else:
                     g._data = (g._data * clip_coef).astype(g._data.dtype)
     return wrap(total_norm)
-
-
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))   # `in` finds them by identity
 
 
 def _foreach_can_write(a):

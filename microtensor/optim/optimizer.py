@@ -22,6 +22,7 @@ import numpy as np
 
 from microtensor.core._core import Tensor, ShapeError, enable_grad, get_num_threads, wrap
 from microtensor.core._grads import zero_grads
+from microtensor.core.dtypes import KERNEL_FLOATS
 from microtensor.capture.recorder import recorded_call
 
 
@@ -280,7 +281,7 @@ def _check_param(opt, p, index, group):
     parameter with a float gradient of its shape. Returns p's gradient array (any layout
     and float dtype)."""
     data = p._data
-    if data.dtype not in _FLOAT_DTYPES:
+    if data.dtype not in KERNEL_FLOATS:
         raise TypeError(f"{type(opt).__name__}.step(): parameter {index} of param group "
                         f"{group} has dtype {data.dtype}; optimizers update float32 and "
                         "float64 tensors")
@@ -295,9 +296,6 @@ def _check_param(opt, p, index, group):
                         f"param group {group} has dtype {g.dtype}; gradients must be "
                         "floating point")
     return g
-
-
-_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _bump_version(p):
