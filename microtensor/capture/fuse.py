@@ -141,11 +141,11 @@ class PlanView:
         self.dropped.append((rec.label, why))
         self._index()
 
-    def replace(self, members, at, call, out_slot):
+    def replace(self, members, at, call):
         """Replace the records `members` by one record of `call` (a FusedCall reading its
-        source slot) made at index `at`, whose output goes to out_slot."""
+        source slot and making its out_slot) made at index `at`."""
         rec = self.records[at]
-        fused = Record(call.label, call, (Slot(call.source),), {}, [((), out_slot)],
+        fused = Record(call.label, call, (Slot(call.source),), {}, [((), call.out_slot)],
                        rec.grad_mode, [tuple(self.alive[call.source].shape)])
         fused.out_bytes = sum(self.records[j].out_bytes for j in members)
         fused.fused = [self.records[j].label for j in sorted(members)]

@@ -45,7 +45,7 @@ def attention_on_views(view):
                  if rec.fn is _attention_fn.scaled_dot_product_attention else None)
         if found is not None:
             members, call = found
-            view.replace(members, i, call, call.out_slot)
+            view.replace(members, i, call)
             i -= sum(1 for j in members if j < i)       # the fused record's place now
         i += 1
 
