@@ -70,7 +70,7 @@ NAMES = {
         topk sort argsort kthvalue flip roll norm mm bmm mv dot outer matmul new_zeros
         new_ones new_full new_tensor new_empty tril triu diag diagonal trace all any
         nonzero unique bincount allclose isclose equal isnan isinf eq ne lt le gt ge
-        is_floating_point pin_memory share_memory_ data_ptr apply_ where
+        is_floating_point pin_memory share_memory_ data_ptr stride apply_ where
     """,
     "F": """
         linear bilinear relu relu6 gelu silu sigmoid tanh softmax log_softmax softmin

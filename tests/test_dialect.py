@@ -1085,3 +1085,53 @@ def test_inplace_operators_under_autograd():
         buf[1] += w * 2
     with pytest.raises(RuntimeError, match="index assignment"):
         buf[0] = w
+
+
+# ---- t.stride(): the layout in torch's units --------------------------------------------
+
+_LAYOUTS = {
+    "contiguous": lambda m, t: t,
+    "transpose": lambda m, t: t.transpose(0, 2),
+    "permute": lambda m, t: t.permute(2, 0, 1),
+    "mT": lambda m, t: t.mT,
+    "step slice": lambda m, t: t[1:, ::2, 1::3],
+    "narrow": lambda m, t: t.narrow(2, 1, 3),
+    "select": lambda m, t: t[:, 1],
+    "unsqueeze": lambda m, t: t.unsqueeze(1),
+    "expand": lambda m, t: t[:, :1].expand(3, 4, 5),
+    "view of a permute's copy": lambda m, t: t.permute(1, 0, 2).contiguous().view(4, 15),
+    "chunk": lambda m, t: t.chunk(2, dim=2)[1],
+    "unbind": lambda m, t: t.unbind(1)[2],
+    "size-1 dims": lambda m, t: t[:1, :, :1],
+    "empty rows": lambda m, t: t[:0],
+    "empty middle": lambda m, t: t[:, 2:2],
+    "0-d": lambda m, t: t[1, 2, 3],
+    "new and empty": lambda m, t: m.zeros(3, 0, 5, dtype=t.dtype),
+    "new, empty last": lambda m, t: m.ones(2, 0, dtype=t.dtype),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "bool"])
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_stride_is_torchs_for_every_layout(layout, dtype):
+    x = np.arange(60).reshape(3, 4, 5).astype(dtype)
+    ours = _LAYOUTS[layout](mt, mt.tensor(x))
+    theirs = _LAYOUTS[layout](torch, torch.tensor(x))
+    assert ours.shape == tuple(theirs.shape)
+    assert ours.stride() == theirs.stride(), layout
+    for d in range(-ours.ndim, ours.ndim):
+        assert ours.stride(d) == theirs.stride(d), (layout, d)
+        assert type(ours.stride(d)) is int
+
+
+def test_stride_refuses_a_dim_out_of_range_or_not_an_integer():
+    t = mt.zeros(2, 3)
+    for bad in (2, -3, 100):
+        with pytest.raises(IndexError, match="out of range"):
+            t.stride(bad)
+    for bad in (1.0, "0", (0,), True):
+        with pytest.raises(TypeError, match="integer"):
+            t.stride(bad)
+    with pytest.raises(IndexError, match="no dimensions"):
+        mt.tensor(1.0).stride(0)
+    assert mt.tensor(1.0).stride() == () and t.stride(np.int64(1)) == 1

@@ -153,6 +153,7 @@ SMOOTH = set("""
 }
 NO_GRADIENT = set("""
     all allclose any argmax argmin argsort argwhere bernoulli bincount count_nonzero data_ptr
+    stride
     eq equal floor_divide ge gt histc is_contiguous is_floating_point is_nonzero isclose
     isfinite isinf isnan isneginf isposinf le logical_and logical_not logical_or
     logical_xor lt ne new_empty new_full new_ones new_zeros nonzero share_memory_ unique

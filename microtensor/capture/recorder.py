@@ -45,7 +45,7 @@ from microtensor.capture import guards as _guards_mod
 # read reaches the capture hook instead)
 TENSOR_READS = {
     "item", "tolist", "numpy", "size", "dim", "numel", "nelement", "element_size",
-    "get_device", "data_ptr", "is_contiguous", "is_floating_point", "cuda", "pin_memory",
+    "get_device", "data_ptr", "stride", "is_contiguous", "is_floating_point", "cuda", "pin_memory",
 }
 # reads that depend on the shape alone (the shape is part of a plan's key)
 SHAPE_READS = {"iteration over t"}

@@ -85,10 +85,36 @@ def data_ptr(self):
     return int(self._data.ctypes.data)
 
 
+def stride(self, dim=None):
+    """The steps between neighbours along each dim, in elements, as torch counts them:
+    (3, 1) for a contiguous (2, 3), (1, 3) for its transpose, 0 along an expanded dim.
+    stride(dim) is one dim's step (a negative dim counts from the end)."""
+    array = self._data
+    if array.size or any(array.strides):
+        steps = tuple(s // array.itemsize for s in array.strides)
+    else:     # a new array with no elements (numpy's steps are 0): the contiguous steps,
+              # each size counted as >= 1, as torch gives them (a view keeps its base's)
+        steps, step = [], 1
+        for n in reversed(array.shape):
+            steps.insert(0, step)
+            step *= max(n, 1)
+        steps = tuple(steps)
+    if dim is None:
+        return steps
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"stride(): dim must be an integer, got {type(dim).__name__}")
+    if not steps:
+        raise IndexError(f"stride(): dim {dim} given, but the tensor has no dimensions")
+    if not -len(steps) <= dim < len(steps):
+        raise IndexError(f"stride(): dim out of range (expected in [{-len(steps)}, "
+                         f"{len(steps) - 1}], got {dim})")
+    return steps[dim]
+
+
 # ---- the registry rows: Tensor methods only ----------------------------------------------
 
 for _name, _fn in _OUT_OF_PLACE.items():
     register_op(_name, _inplace(_name, _fn), export=False, kind="inplace")
 del _name, _fn
 register_ops("inplace", globals(), "fill_diagonal_ apply_ share_memory_", export=False)
-register_ops("shape", globals(), "data_ptr", export=False)    # where the elements sit
+register_ops("shape", globals(), "data_ptr stride", export=False)    # where the elements sit
