@@ -608,6 +608,43 @@ def test_attention_guard_sees_every_element(tensor, where, value, dtype):
                            theirs, [q, k, v], dtype, rtol=1e-4, atol=1e-5, upstream=up)
 
 
+# The same guard when q, k, v are heads of one (B, T, 3C) projection, as in the GPT (a
+# head's rows lie 3C elements apart: the scan walks them as a column band), and dout a
+# transposed view (rows nh * hs apart): head sizes under, at and past the scan's 16
+# columns at a time, an odd T (the scan takes two rows a step), one bad value at a
+# head's first or last row and column.
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("row", ["first", "last"])
+@pytest.mark.parametrize("col", ["first", "last"])
+@pytest.mark.parametrize("hs", [5, 16, 21, 40])
+@pytest.mark.parametrize("tensor", GUARDED)
+def test_attention_guard_sees_every_element_of_strided_heads(tensor, hs, col, row, value, dtype):
+    torch, TF = _torch_fns()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, nh, T = 2, 2, 67
+    C = nh * hs
+    x = rng.standard_normal((B, T, 3 * C))
+    up = rng.standard_normal((B, T, nh, hs))
+    r, c = (0 if row == "first" else T - 1), (0 if col == "first" else hs - 1)
+    big = NAN if value == "nan" else INF
+    if tensor == "dout":
+        up[1, r, 1, c] = big
+    else:
+        x[1, r, GUARDED.index(tensor) * C + hs + c] = big
+
+    def attend(F_sdpa, x):
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in x.split(C, dim=2))
+        return F_sdpa(q, k, v, is_causal=True).transpose(1, 2)
+
+    def theirs(x):
+        with sdpa_kernel(SDPBackend.MATH):
+            return attend(TF.scaled_dot_product_attention, x)
+    with np.errstate(all="ignore"):
+        compare_with_torch(lambda x: attend(F.scaled_dot_product_attention, x), theirs, [x],
+                           dtype, rtol=1e-4, atol=1e-5, upstream=up)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_attention_inf_upstream_gradient_as_torch(dtype):
     torch, TF = _torch_fns()

@@ -141,25 +141,36 @@ cdef inline double _abs_bound(const real* x, Py_ssize_t n) noexcept nogil:
 
 cdef inline double _abs_bound_rows(const real* x, Py_ssize_t rows, int cols, int ld) noexcept nogil:
     """_abs_bound over `rows` rows of `cols` elements, `ld` elements apart: the squares
-    summed down the columns (a running sum per column, 64 columns at a time, which
-    vectorises along the row), then across them."""
-    cdef real acc[64]
+    summed down the columns, then across them. Sixteen columns at a time: with the width
+    fixed, the sixteen sums stay in vector registers (a head of a (B, T, 3C) projection
+    is a band of 16 to 64 columns); the columns left over (cols % 16) are summed the same
+    way at their own width."""
+    cdef real a[16]
     cdef double total = 0
     cdef const real* row
     cdef Py_ssize_t r, j, c0 = 0, w
     if ld == cols or rows == 1:
         return _abs_bound(x, rows * cols)
-    while c0 < cols:
-        w = imin(64, cols - c0)
+    while c0 + 16 <= cols:
+        for j in range(16):
+            a[j] = 0
+        for r in range(rows):
+            row = x + r * ld + c0
+            for j in range(16):
+                a[j] = a[j] + row[j] * row[j]
+        for j in range(16):
+            total += a[j]
+        c0 += 16
+    if c0 < cols:
+        w = cols - c0
         for j in range(w):
-            acc[j] = 0
+            a[j] = 0
         for r in range(rows):
             row = x + r * ld + c0
             for j in range(w):
-                acc[j] = acc[j] + row[j] * row[j]
+                a[j] = a[j] + row[j] * row[j]
         for j in range(w):
-            total += acc[j]
-        c0 += 64
+            total += a[j]
     return sqrt(total)
 
 
