@@ -19,8 +19,9 @@ Shapes (the Python side folds the batch dims into two, B1 x B2 = BH pairs (b, h)
 
 How it runs: threads take whole (b, h) pairs (prange over BH, no two threads ever write
 the same dk / dv). Inside one pair the query rows go in blocks of `block` rows; a block
-is one BLAS gemm for its scores (block, kmax), a row-wise softmax in place, and one gemm
-into out. Only that block of scores exists at any time (one buffer per thread, never
+is one BLAS gemm for its scores (block, kmax), a row-wise softmax in place (a pass over
+the block's rows for their maxima, one for exp and the sums, one for the division), and
+one gemm into out. Only that block of scores exists at any time (one buffer per thread, never
 the T x T matrix). Under is_causal, row i sees keys 0..i (top-left aligned, as torch),
 so the block of rows [i0, i1) needs only the first kmax = min(Tk, i1) keys: the gemms
 are trimmed to that and no work is spent on the masked upper triangle beyond the
@@ -286,6 +287,8 @@ def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] lo
     cdef Py_ssize_t bh, b1, b2, blk, i0, nb, kmax, ncol, r, i, j, rows
     cdef real* scratch
     cdef real* S = NULL                                  # per-thread block of scores
+    cdef double* sum_scratch
+    cdef double* sums = NULL                             # per-thread: each row's sum
     cdef real* row
     cdef const real* mrow0
     cdef const real* qp
@@ -293,7 +296,6 @@ def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] lo
     cdef const real* vp
     cdef real* op
     cdef real mx, inv
-    cdef double ssum
     cdef real sc = <real>scale
     cdef real keep_scale = <real>(1.0 / (1.0 - dropout_p)) if dropout_p < 1 else 0
     cdef bint full
@@ -316,8 +318,14 @@ def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] lo
         num_threads = 1
     scratch = <real*>scratch_alloc(rows * Tk * num_threads, sizeof(real))
     try:
+        sum_scratch = <double*>scratch_alloc(rows * num_threads, sizeof(double))
+    except MemoryError:
+        free(scratch)
+        raise
+    try:
         with nogil, parallel(num_threads=num_threads):
             S = scratch + rows * Tk * threadid()
+            sums = sum_scratch + rows * threadid()
             for bh in prange(BH, schedule="static"):
                 b1 = bh // B2
                 b2 = bh - b1 * B2
@@ -334,12 +342,20 @@ def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] lo
                     kmax = imin(Tk, i0 + nb) if is_causal and not full else Tk
                     _scores_block(S, qp + i0 * ldq, ldq, kp, ldk, mrow0, i0, nb, kmax, Tk, hs,
                                   sc, has_mask, is_causal, full)
-                    for r in range(nb):                       # softmax of each row, in place
+                    # softmax of each row, in place, in three passes over the block's rows
+                    # (each row's arithmetic as in one pass: the same bits): a row's max,
+                    # sum and log are chains of dependent steps, short rows (T = 32) are
+                    # mostly those chains, and rows taken one pass at a time overlap them
+                    for r in range(nb):                       # 1. each row's max
                         i = i0 + r
-                        row = S + r * kmax
                         # keys row i may see (those beyond hold -inf, or NaN when full)
                         ncol = imin(i + 1, Tk) if is_causal and not full else kmax
-                        mx = row_max(row, ncol)
+                        rowmax[bh, i] = row_max(S + r * kmax, ncol)
+                    for r in range(nb):                       # 2. exp(S - max) and its sum
+                        i = i0 + r
+                        row = S + r * kmax
+                        ncol = imin(i + 1, Tk) if is_causal and not full else kmax
+                        mx = rowmax[bh, i]
                         if mx == -INFINITY:                   # all masked, or NaN
                             if _has_nan(row, ncol):
                                 for j in range(kmax):
@@ -351,15 +367,21 @@ def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] lo
                                     row[j] = 0
                                 rowmax[bh, i] = 0
                                 logsum[bh, i] = INFINITY
+                            sums[r] = -1                      # done (a sum is >= 1 or NaN)
                             continue
-                        ssum = row_exp_sum(row, row, ncol, mx)
+                        sums[r] = row_exp_sum(row, row, ncol, mx)
+                    for r in range(nb):                       # 3. divided by the sum
+                        if sums[r] < 0:
+                            continue
+                        i = i0 + r
+                        row = S + r * kmax
+                        ncol = imin(i + 1, Tk) if is_causal and not full else kmax
                         for j in range(ncol, kmax):
                             row[j] = 0
-                        inv = <real>(1.0 / ssum)
+                        inv = <real>(1.0 / sums[r])
                         for j in range(ncol):
                             row[j] = row[j] * inv
-                        rowmax[bh, i] = mx
-                        logsum[bh, i] = <real>log(ssum)
+                        logsum[bh, i] = <real>log(sums[r])
                         if dropout_p > 0:
                             for j in range(ncol):
                                 if _uniform(seed, (bh * Tq + i) * Tk + j) >= dropout_p:
@@ -371,6 +393,7 @@ def attention_forward(real[:, :, :, :] out, real[:, ::1] rowmax, real[:, ::1] lo
                          <real>0, op + i0 * ldo, ldo)
     finally:
         free(scratch)
+        free(sum_scratch)
 
 
 @cython.wraparound(False)
