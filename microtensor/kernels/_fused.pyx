@@ -37,6 +37,8 @@ cdef double GELU_C = 0.044715
 # layernorm_forward 0.94 ns an element, rmsnorm_forward 0.65, layernorm_backward 2.8
 # (rmsnorm_backward, one pass less, takes the same bound): about 50 us at the bound.
 cdef double _LAYERNORM_PARALLEL_MIN = 1 << 16
+# rows taken a pass at a time by the row-wise kernels that split their work into passes
+cdef Py_ssize_t _ROWS_AT_ONCE = 8
 cdef double _RMSNORM_PARALLEL_MIN = 1 << 16
 cdef double _NORM_BACKWARD_PARALLEL_MIN = 1 << 14
 
@@ -49,7 +51,7 @@ def layernorm_forward(real[:, ::1] out, real[::1] mean, real[::1] rstd,
 
     NOTE: two passes (mean, then squared deviations), partial sums added in double:
     float32 rows with a large offset keep their variance."""
-    cdef Py_ssize_t r, j, R = inp.shape[0], N = inp.shape[1]
+    cdef Py_ssize_t c, r, r0, r1, j, R = inp.shape[0], N = inp.shape[1]
     cdef const real* x
     cdef real* o
     cdef real m, s
@@ -61,15 +63,23 @@ def layernorm_forward(real[:, ::1] out, real[::1] mean, real[::1] rstd,
     if R == 0 or N == 0:
         return
     num_threads = threads_for(<double>R * N, _LAYERNORM_PARALLEL_MIN, num_threads)
-    for r in prange(R, nogil=True, num_threads=num_threads, schedule="static"):
-        x = &inp[r, 0]
-        o = &out[r, 0]
-        m = <real>(row_sum(x, N) / N)
-        s = <real>(1.0 / sqrt(row_sum_sq_dev(x, m, N) / N + eps))
-        for j in range(N):
-            o[j] = (x[j] - m) * s * weight[j] + bias[j]
-        mean[r] = m
-        rstd[r] = s
+    # _ROWS_AT_ONCE rows a pass (their means, their deviations, their outputs; each row's
+    # arithmetic as in one pass): the rows' sums, chains of dependent steps, overlap
+    for c in prange((R + _ROWS_AT_ONCE - 1) // _ROWS_AT_ONCE, nogil=True,
+                    num_threads=num_threads, schedule="static"):
+        r0 = c * _ROWS_AT_ONCE
+        r1 = imin(R, r0 + _ROWS_AT_ONCE)
+        for r in range(r0, r1):
+            mean[r] = <real>(row_sum(&inp[r, 0], N) / N)
+        for r in range(r0, r1):
+            rstd[r] = <real>(1.0 / sqrt(row_sum_sq_dev(&inp[r, 0], mean[r], N) / N + eps))
+        for r in range(r0, r1):
+            x = &inp[r, 0]
+            o = &out[r, 0]
+            m = mean[r]
+            s = rstd[r]
+            for j in range(N):
+                o[j] = (x[j] - m) * s * weight[j] + bias[j]
 
 
 @cython.wraparound(False)
