@@ -412,10 +412,12 @@ def crossentropy_forward(real[::1] losses, real[::1] rowmax, real[::1] logsum,
     loss = (1 - eps) (s - (x[t] - m)) + eps (s - mean(x - m)),
     loss = 0 where t == ignore_index.  Stable: exp(x - m) never overflows, and the
     huge m cancels before it can round s away (see kernels/_fused_math.pxi)."""
-    cdef Py_ssize_t r, j, bad, M = logits.shape[0], C = logits.shape[1]
+    cdef Py_ssize_t c, r, r0, r1, j, bad, M = logits.shape[0], C = logits.shape[1]
     cdef const real* x
     cdef real* scratch
     cdef real* e = NULL                                   # per-thread row of exp(x - max)
+    cdef double* sum_scratch
+    cdef double* sums = NULL                              # per-thread: each row's sum
     cdef real m
     cdef double l
     cdef long long t
@@ -431,23 +433,38 @@ def crossentropy_forward(real[::1] losses, real[::1] rowmax, real[::1] logsum,
                          f"{C} classes (ignore_index={ignore_index})")
     num_threads = threads_for(<double>M * C, _CROSSENTROPY_PARALLEL_MIN, num_threads)
     scratch = <real*>scratch_alloc(C * num_threads, sizeof(real))
+    try:
+        sum_scratch = <double*>scratch_alloc(_ROWS_AT_ONCE * num_threads, sizeof(double))
+    except MemoryError:
+        free(scratch)
+        raise
     with nogil, parallel(num_threads=num_threads):
         e = scratch + C * threadid()
-        for r in prange(M, schedule="static"):
-            x = &logits[r, 0]
-            m = row_max(x, C)
-            l = log(row_exp_sum(x, e, C, m))              # s, in double
-            rowmax[r] = m
-            logsum[r] = <real>l
-            t = targets[r]
-            if t == ignore_index:
-                losses[r] = 0
-            elif label_smoothing > 0:
-                losses[r] = <real>((1 - label_smoothing) * (l - <real>(x[t] - m))
-                                   + label_smoothing * (l - row_sum_dev(x, m, C) / C))
-            else:
-                losses[r] = <real>(l - <real>(x[t] - m))
+        sums = sum_scratch + _ROWS_AT_ONCE * threadid()
+        for c in prange((M + _ROWS_AT_ONCE - 1) // _ROWS_AT_ONCE, schedule="static"):
+            # _ROWS_AT_ONCE rows a pass (see layernorm_forward): their maxima, their sums,
+            # then their logs and losses
+            r0 = c * _ROWS_AT_ONCE
+            r1 = imin(M, r0 + _ROWS_AT_ONCE)
+            for r in range(r0, r1):
+                rowmax[r] = row_max(&logits[r, 0], C)
+            for r in range(r0, r1):
+                sums[r - r0] = row_exp_sum(&logits[r, 0], e, C, rowmax[r])
+            for r in range(r0, r1):
+                x = &logits[r, 0]
+                m = rowmax[r]
+                l = log(sums[r - r0])                      # s, in double
+                logsum[r] = <real>l
+                t = targets[r]
+                if t == ignore_index:
+                    losses[r] = 0
+                elif label_smoothing > 0:
+                    losses[r] = <real>((1 - label_smoothing) * (l - <real>(x[t] - m))
+                                       + label_smoothing * (l - row_sum_dev(x, m, C) / C))
+                else:
+                    losses[r] = <real>(l - <real>(x[t] - m))
     free(scratch)
+    free(sum_scratch)
 
 
 @cython.wraparound(False)
