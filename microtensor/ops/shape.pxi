@@ -124,7 +124,7 @@ cdef class PermuteBackward(Node):
 
     def create_graph(self, g):
         """y = x.permute(dims);  dx = g.permute(inverse(dims))"""
-        return (permute(g, tuple(int(d) for d in self.inverse)),)
+        return (permute(g, self.inverse),)
 
 
 def permute(x, *dims):
@@ -140,9 +140,14 @@ def permute(x, *dims):
     cdef Tensor res = Tensor._wrap(t._data.transpose(ds))
     _share_version(res, t)
     cdef PermuteBackward node
+    cdef list inverse
+    cdef Py_ssize_t i
     if _grad_on() and t._requires_grad:
         node = PermuteBackward.__new__(PermuteBackward)
-        node.inverse = tuple(np.argsort(ds))
+        inverse = [0] * nd                  # inverse[ds[i]] = i (argsort of a permutation)
+        for i in range(nd):
+            inverse[<Py_ssize_t>ds[i]] = i
+        node.inverse = tuple(inverse)
         _attach(res, node, (t,))
     return res
 
