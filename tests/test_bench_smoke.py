@@ -57,6 +57,16 @@ def test_bench_linear_prints_every_linear_and_its_ratio():
     assert "mt / gemms" in out
 
 
+def test_bench_rows_prints_every_call_at_each_thread_count():
+    out = run_script("bench_rows.py", "--config", "tiny", "--repeats", "1", "--min-time", "0",
+                     "--allow-busy", "--threads", "1,2")
+    for call in ("attention forward (B 16, T 32, hs 16)", "attention forward + backward",
+                 "layer norm forward kernel (512 x 64)", "cross-entropy forward kernel (512 x 65)",
+                 "transpose recording its gradient"):
+        assert out.count(f"| {call}") == 2, call            # one row per thread count
+    assert "tiny, 1 thread" in out and "tiny, 2 threads" in out
+
+
 def test_bench_blas_runs_every_candidate():
     out = run_script("bench_blas.py", "--configs", "tiny", "--repeats", "1", "--min-time", "0",
                      "--allow-busy", "--no-torch", "--json")
