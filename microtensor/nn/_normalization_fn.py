@@ -48,7 +48,6 @@ def _summed(partials):
     return partials[0] + 0 if partials.shape[0] == 1 else partials.sum(0)
 
 
-
 def _row_eps(node, x2, centered):
     """The eps the forward used. The nodes keep rstd, not eps: eps = 1/rstd^2 - var, per
     row, in float64 (this makes the rule's rstd the forward's rstd to rounding)."""
