@@ -261,11 +261,18 @@ def test_the_team_shrinks_while_other_processes_hold_the_cpus_and_comes_back(con
             p.wait()
     assert info["others"] > cpus - 1.5, info          # it saw the spinners
     assert loaded[-1] == 1 and info["cap"] == 1, (loaded[-10:], info)
-    # and the whole team comes back once they are gone (two windows must agree: 0.5 s)
-    deadline = time.monotonic() + 5
-    seen = []
+    # and the whole team comes back once they are gone (two windows must agree: 0.5 s).
+    # NOTE: only once the CPUs are free again: on a machine that other work keeps busy
+    # (a CI runner beside other jobs) the team must stay small, which is the feature, so
+    # the test waits up to 20 s for a quiet moment and skips, saying so, if none comes.
+    deadline = time.monotonic() + 20
+    seen, quiet_windows = [], 0
     while time.monotonic() < deadline and (not seen or seen[-1] != 2):
         seen = _spin_kernels(0.3)
+        quiet_windows += _blas.team_info()["others"] < 0.5
+    if seen[-1] != 2 and quiet_windows == 0:
+        pytest.skip(f"other processes held the CPUs for all of 20 s (the team saw "
+                    f"{_blas.team_info()['others']} cores busy): the team cannot come back")
     assert seen[-1] == 2, (seen[-10:], _blas.team_info())
 
 
