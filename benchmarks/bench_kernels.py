@@ -55,7 +55,7 @@ def main(argv=None):
     C.check_quiet(args.allow_busy, "bench_kernels.py")
     import microtensor as mt
     from microtensor.nn import functional as F
-    from microtensor.nn._functional_common import kernel_builds_here
+    from microtensor.ops._functional_common import kernel_builds_here
     C.setup_threads(1, None)
     info = C.machine_info(1, None)
     C.print_machine(info)

@@ -22,7 +22,7 @@ import _common as C  # noqa: E402
 def closures(cfg, vocab, torch, rng):
     """name -> {engine: fn} for one config's shapes."""
     import microtensor as mt
-    from microtensor.nn import _kernels
+    from microtensor.ops import _kernels
     B, T, nh, c = cfg["batch_size"], cfg["block_size"], cfg["n_head"], cfg["n_embd"]
     hs, R = c // nh, cfg["batch_size"] * cfg["block_size"]
     out = {}

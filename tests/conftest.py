@@ -39,5 +39,5 @@ def one_thread():
 def kernel_builds_here():
     """[(name, fused module, attention module)] for every build of the fused kernels this
     CPU runs (baseline always; AVX2+FMA and AVX-512 where the CPU has them), widest first."""
-    from microtensor.nn._functional_common import kernel_builds_here as builds
+    from microtensor.ops._functional_common import kernel_builds_here as builds
     return builds()

@@ -1,4 +1,4 @@
-"""mt.compile's rewrites (microtensor/capture/fuse.py, nn/_rewrites.py) give eager's numbers,
+"""mt.compile's rewrites (microtensor/capture/fuse.py, capture/rewrites.py) give eager's numbers,
 bit for bit.
 
 A differential fuzzer draws attention programs in the ways models write them (the heads
@@ -23,7 +23,7 @@ import pytest
 import microtensor as mt
 import microtensor.nn.functional as F
 from microtensor.capture import fuse as _fuse
-from microtensor.nn._attention_fn import attention_on_views
+from microtensor.ops.attention import attention_on_views
 
 CI_PROGRAMS = 240
 LONG_PROGRAMS = int(os.environ.get("MT_FUZZ_FUSION_PROGRAMS", "3000"))

@@ -8,7 +8,7 @@ import pytest
 import microtensor as mt
 import microtensor.nn.functional as F
 from microtensor.autograd.graph_rules import FusedNode
-from microtensor.nn._attention_fn import attention_on_views
+from microtensor.ops.attention import attention_on_views
 
 from test_higher_order import _python_nodes
 

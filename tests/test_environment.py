@@ -21,7 +21,7 @@ import pytest
 import microtensor as mt
 from microtensor.runtime import _blas_choice
 from microtensor.runtime import _malloc
-from microtensor.nn import _functional_common as C
+from microtensor.ops import _functional_common as C
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mt.__file__)))
 READ = ("MICROTENSOR_MALLOC", "MICROTENSOR_BLAS", "MICROTENSOR_KERNELS", "OMP_NUM_THREADS",

@@ -47,7 +47,7 @@ warnings.simplefilter("ignore")
 import microtensor as mt
 import models
 import microtensor.nn.functional as F
-from microtensor.nn import _functional_common as common
+from microtensor.ops import _functional_common as common
 
 report = {"imported": [], "failed": {}, "builds": {}, "refused": {}}
 for package in (mt, models):

@@ -511,7 +511,7 @@ def test_every_node_keeps_its_rule_beside_its_backward():
     for module, cls in (("microtensor.core._core", "AddBackward"), ("microtensor.core._core", "UnaryBackward"),
                         ("microtensor.ops.index", "ScatterBackward")):
         assert "create_graph" in vars(getattr(importlib.import_module(module), cls)), cls
-    assert "composite" in vars(importlib.import_module("microtensor.nn._activations_fn").GeluBackward)
+    assert "composite" in vars(importlib.import_module("microtensor.ops.activations").GeluBackward)
 
 
 # The Python nodes that still write a derivative twice (a first-order backward and a
@@ -520,10 +520,10 @@ def test_every_node_keeps_its_rule_beside_its_backward():
 TWO_BODIES = {
     # they read the saved output y, as PyTorch's do, so that x may change in place after
     # the forward pass; a composite would read x again
-    "microtensor.nn._activations_fn.SoftmaxBackward", "microtensor.nn._activations_fn.LogSoftmaxBackward",
+    "microtensor.ops.activations.SoftmaxBackward", "microtensor.ops.activations.LogSoftmaxBackward",
     # its rule is the derivative of log_softmax with weights, ignore_index and label
     # smoothing, on the saved log-probabilities
-    "microtensor.nn._losses_fn.CrossEntropyBackward",
+    "microtensor.ops.losses.CrossEntropyBackward",
     # one derivative per op in _UNARY, written once over arrays or tensors (ops/extra.py)
     "microtensor.ops.extra.PointwiseBackward",
     # autograd.Function's machinery, not an op

@@ -56,7 +56,7 @@ def test_gradcheck(name, build, one_thread):
 
 def test_gradcheck_catches_a_wrong_rope_backward(monkeypatch):
     # the transpose of rotate_half is what makes the rule right; drop it and the check fails
-    from microtensor.nn import rope as rope_op
+    from microtensor.ops import rope as rope_op
     monkeypatch.setattr(rope_op, "rope_rotate_backward",
                         lambda g, cos, sin: rope_op.rope_rotate(g, cos, sin))
     rope = RotaryEmbedding(4)

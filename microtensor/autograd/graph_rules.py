@@ -3,7 +3,7 @@ node whose one rule serves first order and create_graph alike, and FusedNode, th
 a fused op whose create-graph rule is its declared composite of primitives.
 
 Every node's rule is its `create_graph(self, g)` method, written beside its `backward`
-in the op's own file (ops/pointwise.pxi, nn/_activations_fn.py, ops/extra.py, ...):
+in the op's own file (ops/pointwise.pxi, ops/activations.py, ops/extra.py, ...):
 the same gradients as `backward`, computed with differentiable ops so that
 create_graph=True can differentiate them again. `rule_for` finds it. Also here, for the
 rules written in Python: the helpers on inputs, shapes and constants and `add_at` (the

@@ -41,7 +41,7 @@ _profiler.register_ops(init, "nn.init.")    # random draws: a replay draws again
 # had when recorded
 from microtensor import capture as _capture  # noqa: E402
 _capture.register_guard(Module, "training")
-from microtensor.nn import _rewrites  # noqa: E402,F401  (mt.compile's rules for nn's ops)
+from microtensor.capture import rewrites as _rewrites  # noqa: E402,F401  (mt.compile's rules for nn's ops)
 
 __all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "StateDictError",
            "Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "ReLU", "GELU", "SiLU",

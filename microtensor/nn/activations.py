@@ -2,7 +2,7 @@
 F.* function in forward (torch's names, arguments and printed form)."""
 from microtensor.core import _core
 from microtensor.nn import functional as F
-from microtensor.nn import functional_extra as FX
+from microtensor.ops import functional_extra as FX
 from microtensor.nn.module import Module
 
 __all__ = ["Sigmoid", "Softmax", "LogSoftmax", "Softmin", "LeakyReLU", "ELU", "SELU", "CELU",

@@ -4,222 +4,49 @@
     logits = F.linear(x, W, b)
     loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))
 
-Each fused op (linear, gelu, silu, layer_norm, rms_norm, cross_entropy, embedding,
-dropout, scaled_dot_product_attention) is one graph node: the forward function sits
-right below its Backward node, which states the math in its first docstring line.
+A face, as `mt.linalg` is: every function here lives in microtensor/ops/, one file per
+family, beside its Backward node and its registry row:
 
-This module holds linear, embedding and dropout (the kernels every op runs are
-`_kernels.fused` and `_kernels.attention`, the widest build the CPU runs); the other ops live in one
-module per family and are imported here: activations and softmax in
-`_activations_fn.py`, layer_norm and rms_norm in `_normalization_fn.py`, the losses in
-`_losses_fn.py`, attention in `_attention_fn.py`, the shared helpers in
-`_functional_common.py`, and the rest of torch.nn.functional in `functional_extra.py`
-and `rope.py`.
+    ops/layers.py          linear, embedding, dropout
+    ops/activations.py     relu, sigmoid, tanh, softmax, log_softmax, gelu, silu
+    ops/normalization.py   layer_norm, rms_norm
+    ops/losses.py          cross_entropy, nll_loss, mse_loss
+    ops/attention.py       scaled_dot_product_attention
+    ops/functional_extra.py  the rest of torch.nn.functional (pad, one_hot, the other
+                           losses and activations, normalize, batch_norm, ...)
+    ops/rope.py            rotary_embedding
 """
-import math
-
-import numpy as np
-
-import microtensor.core._core as _core
-from microtensor.kernels import _blas
-from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
-from microtensor.autograd.graph_rules import FusedNode
-from microtensor.nn._functional_common import (  # noqa: F401  (F._threads etc. stay here)
+from microtensor.ops import _kernels  # noqa: F401  (the build of the fused kernels: F._kernels)
+from microtensor.ops._functional_common import (  # noqa: F401  (F._threads etc.)
     declare_saved, _cpu_has_avx2_fma, DtypeError, _tensor, _float_array,
     _same_dtype, _contig, _owned_indices, _grad_as, _PARALLEL_MIN, _PARALLEL_MIN_MEMORY_BOUND,
     _threads, _wants_grad, _check_reduction, _unbroadcast,
 )
+from microtensor.ops.layers import (  # noqa: F401
+    LinearBackward, linear, EmbeddingBackward, embedding, DropoutBackward, dropout,
+)
+from microtensor.ops.activations import (
+    relu, sigmoid, tanh, SoftmaxBackward, LogSoftmaxBackward, _rows_backward, _softmax_like,
+    softmax, log_softmax, GeluBackward, gelu, SiluBackward, silu,
+)
+from microtensor.ops.normalization import (
+    _norm_rows, _check_affine, _partials, LayerNormBackward, layer_norm, RMSNormBackward,
+    rms_norm,
+)
+from microtensor.ops.losses import (
+    _ce_rows, CrossEntropyBackward, cross_entropy, nll_loss, MSELossBackward, mse_loss,
+)
+from microtensor.ops.attention import (
+    _ATTENTION_BLOCK_CAUSAL, _ATTENTION_BLOCK, _attention_mask, _mask_slabs,
+    AttentionBackward, scaled_dot_product_attention,
+)
 
-from microtensor.nn import _kernels  # noqa: E402  (the build of the fused kernels every op reads)
+# pad, one_hot, the other losses and activations, normalize, batch_norm
+from microtensor.ops.functional_extra import *  # noqa: F401,F403
+from microtensor.ops.rope import rotary_embedding  # noqa: F401
 
 __all__ = [
     "linear", "relu", "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax",
     "cross_entropy", "nll_loss", "mse_loss", "layer_norm", "rms_norm", "embedding",
     "dropout", "scaled_dot_product_attention",
 ]
-
-
-# ---- linear ----------------------------------------------------------------------
-
-class LinearBackward(FusedNode):
-    """y = x @ W^T + b;  dx = g @ W,  dW = g^T @ x,  db = sum_rows(g)"""
-
-    def backward(self, g):
-        x2d, w = self.x2d, self.weight                  # (M, in), (out, in)
-        g2d = _grad_as(g, (x2d.shape[0], w.shape[0]), w.dtype)   # (M, out); no copy if contiguous
-        dx = dw = db = None
-        nt = _core.get_num_threads()
-        if _wants_grad(self, 0):
-            dx = _blas.gemm(g2d, w, num_threads=nt).reshape(self.x_shape)
-        if _wants_grad(self, 1):
-            dw = _blas.gemm(g2d.T, x2d, num_threads=nt)  # NOTE: .T is a view, passed as a 'T' flag
-        if len(self.inputs) > 2 and _wants_grad(self, 2):
-            db = _blas.column_sum(g2d, num_threads=nt)          # g's rows added in order
-        return (dx, dw, db)
-
-    def composite(self, x, w, b=None):
-        """y = x @ W^T + b"""
-        y = _core.matmul(x, _core.transpose(w, 0, 1))
-        return y if b is None else _core.add(y, b)
-
-
-declare_saved(LinearBackward, 0, 1)
-
-
-def linear(input, weight, bias=None):
-    """y = x @ W^T + b   (x (..., in), W (out, in), b (out,))"""
-    x = _float_array(input, "linear input")
-    w = _float_array(weight, "linear weight")
-    b = None if bias is None else _float_array(bias, "linear bias")
-    _same_dtype("linear", input=x, weight=w, bias=b)
-    if w.ndim != 2:
-        raise ShapeError(f"linear: weight must be 2-D (out_features, in_features), got shape {w.shape}")
-    if x.ndim == 0 or x.shape[-1] != w.shape[1]:
-        raise ShapeError(f"linear: input shape {x.shape} and weight shape {w.shape} do not fit "
-                         f"(input's last dim must equal in_features = {w.shape[1]})")
-    if b is not None and b.shape != (w.shape[0],):
-        raise ShapeError(f"linear: bias shape {b.shape} does not fit weight shape {w.shape} "
-                         f"(expected ({w.shape[0]},))")
-    M = math.prod(x.shape[:-1])
-    x2d = x.reshape(M, w.shape[1])                      # (M, in); a view when x is contiguous
-    # (M, out) = x2d @ w.T (+ b): w.T as a flag, the bias added by each of the gemm's
-    # blocks as it finishes (no second pass over the output)
-    out2d = _blas.gemm(x2d, w.T, num_threads=_core.get_num_threads(), bias=b)
-    out = wrap(out2d.reshape(x.shape[:-1] + (w.shape[0],)))
-    inputs = (input, weight) if bias is None else (input, weight, bias)
-    if needs_graph(inputs):
-        node = LinearBackward()
-        node.x2d, node.weight, node.x_shape = x2d, w, x.shape
-        attach(out, node, inputs)
-    return out
-
-
-# ---- embedding -------------------------------------------------------------------
-
-class EmbeddingBackward(FusedNode):
-    """y = W[idx];  dW[idx[i]] += g[i]   (repeated ids accumulate; kernel: embedding_backward)"""
-
-    def backward(self, g):
-        V, D = self.weight_shape
-        dweight = np.zeros((V, D), dtype=self.dtype)
-        g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(self.ids.shape[0], D)
-        if g2.size:
-            _kernels.fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size, memory_bound=True))
-        if self.padding_idx is not None:
-            dweight[self.padding_idx] = 0
-        return (None, dweight)
-
-    def composite(self, ids, w):
-        """y = W[idx], with no gradient into row padding_idx"""
-        if self.padding_idx is not None:
-            keep = np.ones((w.shape[0], 1), dtype=bool)
-            keep[self.padding_idx] = False
-            w = _core.where(keep, w, w.detach())
-        return _core.reshape(_core.getitem(w, self.ids), self.out_shape)
-
-
-declare_saved(EmbeddingBackward)           # its indices are a private copy
-
-
-def embedding(input, weight, padding_idx=None):
-    """y = W[idx]   (idx int64 of any shape, W (num_embeddings, embedding_dim))"""
-    w = _float_array(weight, "embedding weight")
-    idx = input._data if isinstance(input, Tensor) else np.asarray(input)
-    if idx.dtype.kind not in "iu":
-        raise DtypeError(f"embedding: indices must be an integer (int64) tensor, got dtype {idx.dtype}")
-    if w.ndim != 2:
-        raise ShapeError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape {w.shape}")
-    V, D = w.shape
-    ids = _owned_indices(idx)                           # (M,), checked below, kept for backward
-    bad = (ids < 0) | (ids >= V)
-    if bad.any():
-        raise IndexError(f"embedding: index {int(ids[np.argmax(bad)])} is out of range for "
-                         f"num_embeddings={V} (valid: 0 to {V - 1})")
-    if padding_idx is not None:
-        padding_idx = int(padding_idx)
-        if padding_idx < 0:
-            padding_idx += V
-        if not 0 <= padding_idx < V:
-            raise IndexError(f"embedding: padding_idx {padding_idx} is out of range for num_embeddings={V}")
-    out = np.empty((ids.shape[0], D), dtype=w.dtype)     # (M, D)
-    if out.size:
-        _kernels.fused.embedding_forward(out, ids, _contig(w), _threads(out.size, memory_bound=True))
-    out = wrap(out.reshape(idx.shape + (D,)))
-    if needs_graph((weight,)):
-        node = EmbeddingBackward()
-        node.ids, node.weight_shape, node.dtype, node.padding_idx = ids, w.shape, w.dtype, padding_idx
-        node.out_shape = idx.shape + (D,)
-        attach(out, node, (None, weight))
-    return out
-
-
-# ---- dropout ---------------------------------------------------------------------
-
-class DropoutBackward(FusedNode):
-    """y = x * m / (1 - p);  dx = g * m / (1 - p)   (m: the kept positions)"""
-
-    def backward(self, g):
-        return (np.asarray(g * self.mask),)
-
-    def composite(self, x):
-        """y = x * m / (1 - p)   (self.mask holds m / (1 - p))"""
-        return _core.mul(x, self.mask)
-
-
-declare_saved(DropoutBackward)               # only its own mask
-
-
-def dropout(input, p=0.5, training=True, inplace=False):
-    """Zero each element with probability p and scale the rest by 1/(1-p) (training only)."""
-    x = _tensor(input, "dropout input")
-    if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) \
-            or not (0.0 <= p <= 1.0):
-        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-    if not training or p == 0:
-        return x
-    d = _contig(_float_array(x, "dropout input"))
-    if p == 1:
-        mask = np.zeros(d.shape, dtype=d.dtype)
-        out = np.zeros_like(d)
-    else:
-        uniform = _core.default_generator().random(d.size, dtype=np.float32)
-        mask = np.empty_like(d)
-        out = np.empty_like(d)
-        _kernels.fused.dropout_forward(out.reshape(-1), mask.reshape(-1), d.reshape(-1), uniform,
-                               float(p), _threads(d.size, memory_bound=True))
-    out = wrap(out)
-    if needs_graph((input,)):
-        node = DropoutBackward()
-        node.mask = mask
-        attach(out, node, (input,))
-    return out
-
-
-# ---- the op families (each reads the kernels as _kernels.fused / _kernels.attention) ----
-
-from microtensor.nn._activations_fn import (  # noqa: E402
-    relu, sigmoid, tanh, SoftmaxBackward, LogSoftmaxBackward, _rows_backward, _softmax_like,
-    softmax, log_softmax, GeluBackward, gelu, SiluBackward, silu,
-)
-from microtensor.nn._normalization_fn import (  # noqa: E402
-    _norm_rows, _check_affine, _partials, LayerNormBackward, layer_norm, RMSNormBackward,
-    rms_norm,
-)
-from microtensor.nn._losses_fn import (  # noqa: E402
-    _ce_rows, CrossEntropyBackward, cross_entropy, nll_loss, MSELossBackward, mse_loss,
-)
-from microtensor.nn._attention_fn import (  # noqa: E402
-    _ATTENTION_BLOCK_CAUSAL, _ATTENTION_BLOCK, _attention_mask, _mask_slabs,
-    AttentionBackward, scaled_dot_product_attention,
-)
-
-# pad, one_hot, the other losses and activations, normalize, batch_norm
-from microtensor.nn.functional_extra import *  # noqa: E402,F401,F403
-from microtensor.nn.rope import rotary_embedding  # noqa: E402,F401
-
-
-# ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
-
-_core.register_op("linear", linear, kind="matmul", scope="F")
-_core.register_op("embedding", embedding, kind="index", scope="F")
-_core.register_op("dropout", dropout, kind="random", scope="F")

@@ -2,7 +2,7 @@
 matching F.* loss in forward, as torch's do: `criterion = nn.CrossEntropyLoss();
 loss = criterion(logits, targets)`."""
 from microtensor.nn import functional as F
-from microtensor.nn import functional_extra as FX
+from microtensor.ops import functional_extra as FX
 from microtensor.nn.module import Module
 
 __all__ = ["CrossEntropyLoss", "NLLLoss", "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
@@ -38,7 +38,7 @@ class NLLLoss(_Loss):
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
                  reduction="mean"):
-        from microtensor.nn._losses_fn import _legacy_reduction
+        from microtensor.ops.losses import _legacy_reduction
         super().__init__(_legacy_reduction(size_average, reduce, reduction))
         self.register_buffer("weight", weight)
         self.ignore_index = ignore_index

@@ -3,7 +3,7 @@ import numpy as np
 
 from microtensor.core._core import Parameter, wrap, as_dtype
 from microtensor.ops.creation_extra import _check_device
-from microtensor.nn import functional_extra as FX
+from microtensor.ops import functional_extra as FX
 from microtensor.nn.module import Module
 
 __all__ = ["BatchNorm1d"]

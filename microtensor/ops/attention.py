@@ -11,10 +11,10 @@ import numpy as np
 import microtensor.core._core as _core
 from microtensor.kernels import _fused_attention
 from microtensor.autograd.graph_rules import FusedNode
-from microtensor.nn._activations_fn import softmax
+from microtensor.ops.activations import softmax
 from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
-from microtensor.nn import _kernels
-from microtensor.nn._functional_common import (
+from microtensor.ops import _kernels
+from microtensor.ops._functional_common import (
     DtypeError, declare_saved, _float_array, _same_dtype, _threads,
     _wants_grad, _unbroadcast,
 )

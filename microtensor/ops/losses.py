@@ -9,10 +9,10 @@ import numpy as np
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError, register_ops
 import microtensor.core._core as _core
 from microtensor.autograd.graph_rules import _wants, _sum_to, _const, DifferentiableRule
-from microtensor.nn._activations_fn import softmax, log_softmax
-from microtensor.nn import _kernels
+from microtensor.ops.activations import softmax, log_softmax
+from microtensor.ops import _kernels
 from microtensor.core._core import ArgumentError
-from microtensor.nn._functional_common import (
+from microtensor.ops._functional_common import (
     DtypeError, declare_saved, _tensor, _float_array, _contig, _owned_indices, _threads,
     _wants_grad, _check_reduction, _unbroadcast,
 )

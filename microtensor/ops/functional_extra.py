@@ -15,7 +15,7 @@ from microtensor.autograd.graph_rules import _wants, _const, DifferentiableRule
 from microtensor.ops import extra as _ops
 from microtensor.ops._common import _tensor, _dim, declare_saved
 from microtensor.ops.linalg import vector_norm
-from microtensor.nn._activations_fn import softmax as _softmax
+from microtensor.ops.activations import softmax as _softmax
 
 __all__ = [
     "pad", "one_hot", "binary_cross_entropy", "binary_cross_entropy_with_logits", "l1_loss",

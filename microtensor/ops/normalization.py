@@ -11,8 +11,8 @@ import numpy as np
 from microtensor.core._core import wrap, needs_graph, attach, ShapeError, register_ops
 import microtensor.core._core as _core
 from microtensor.autograd.graph_rules import _const, FusedNode
-from microtensor.nn import _kernels
-from microtensor.nn._functional_common import (
+from microtensor.ops import _kernels
+from microtensor.ops._functional_common import (
     declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads, _wants_grad,
 )
 

@@ -17,8 +17,8 @@ import inspect
 from microtensor.core import _core
 from microtensor.capture import fuse
 from microtensor.capture.recorder import Slot, Seq
-from microtensor.nn import _attention_fn
-from microtensor.nn import functional as F
+from microtensor.ops import attention as _attention_fn
+from microtensor.ops import layers as F    # F.dropout lives in ops/layers.py
 
 _SDPA = inspect.signature(_attention_fn.scaled_dot_product_attention)
 

@@ -13,8 +13,8 @@ import scipy.special
 import microtensor.core._core as _core
 from microtensor.core._core import Node, wrap, needs_graph, attach, register_ops
 from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
-from microtensor.nn import _kernels
-from microtensor.nn._functional_common import (
+from microtensor.ops import _kernels
+from microtensor.ops._functional_common import (
     declare_saved, _float_array, _contig, _grad_as, _threads,
 )
 

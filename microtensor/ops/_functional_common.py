@@ -3,7 +3,7 @@ the `reduction` option), the dtype error they raise, array plumbing (contiguous
 copies, private index copies, upstream gradients in the right shape and dtype), the
 thread count a kernel of a given size gets. The loader that picks the build of the
 kernels (AVX-512, AVX2+FMA or baseline) is microtensor.runtime._kernel_choice's, imported here;
-`microtensor.nn._kernels` loads the kernels once and holds them as `fused` and
+`microtensor.ops._kernels` loads the kernels once and holds them as `fused` and
 `attention`; the op modules read them there.
 """
 import numpy as np
