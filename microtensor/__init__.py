@@ -35,6 +35,10 @@ def _explain_missing_core(error):
         'setuptools: pip install -e ".[dev]" brings them)')
 
 
+# a MICROTENSOR_* variable microtensor does not read (a typo) warns, naming the nearest
+import os as _os
+from microtensor.runtime import _variables
+_variables.check_names(_os.environ)
 # OpenMP's waiting policy, before the first extension loads the OpenMP runtime
 from microtensor.runtime import _omp_env
 _omp_env.apply_defaults()

@@ -159,37 +159,84 @@ cdef extern from *:
         s->ready = 1;
     }
 
+    /* Set once a region ran with more than one thread: libgomp's worker threads exist
+       from then on, and a child made by fork() does not have them (see _after_fork). */
+    static int mt_team_went_parallel = 0;
+
     /* The team for a region split into n pieces: n, or fewer while the load says so. */
     static int mt_team(int n) {
         mt_team_t* s = &mt_team_state;
         double now;
         int cap;
         if (n <= 1) return 1;
-        if (s->forced > 0) return n < s->forced ? n : s->forced;
-        if (!s->adaptive) return n;
-        now = mt_clock(CLOCK_MONOTONIC);
-        if (now - s->wall >= MT_TEAM_WINDOW
-                && __atomic_exchange_n(&s->lock, 1, __ATOMIC_ACQUIRE) == 0) {
-            if (now - s->wall >= MT_TEAM_WINDOW) mt_team_sample(now);
-            __atomic_store_n(&s->lock, 0, __ATOMIC_RELEASE);
+        if (s->forced > 0) {
+            cap = s->forced;
+        } else if (!s->adaptive) {
+            cap = n;
+        } else {
+            now = mt_clock(CLOCK_MONOTONIC);
+            if (now - s->wall >= MT_TEAM_WINDOW
+                    && __atomic_exchange_n(&s->lock, 1, __ATOMIC_ACQUIRE) == 0) {
+                if (now - s->wall >= MT_TEAM_WINDOW) mt_team_sample(now);
+                __atomic_store_n(&s->lock, 0, __ATOMIC_RELEASE);
+            }
+            cap = s->cap;
         }
-        cap = s->cap;
-        return n < cap ? n : cap;
+        if (n < cap) cap = n;
+        if (cap > 1) mt_team_went_parallel = 1;
+        return cap;
     }
     """
     ctypedef struct mt_team_t:
         int adaptive, forced, cap, cpus, ready
         double others
     mt_team_t mt_team_state
+    int mt_team_went_parallel
     void mt_team_start() noexcept nogil
     int mt_team(int n) noexcept nogil
 
 
-# MICROTENSOR_ADAPTIVE_THREADS=0: always run the configured count, whatever the load
-if __import__("os").environ.get("MICROTENSOR_ADAPTIVE_THREADS", "1").strip() == "0":
-    mt_team_state.adaptive = 0
+# MICROTENSOR_ADAPTIVE_THREADS=0 (or off, false, no): always run the configured count,
+# whatever the load; 1 (on, true, yes, auto, unset) follows it; another value warns
+_ADAPTIVE_VALUES = {"": 1, "1": 1, "on": 1, "true": 1, "yes": 1, "auto": 1,
+                    "0": 0, "off": 0, "false": 0, "no": 0}
+
+
+def _adaptive_setting(environ):
+    raw = environ.get("MICROTENSOR_ADAPTIVE_THREADS", "1")
+    value = _ADAPTIVE_VALUES.get(raw.strip().lower())
+    if value is None:
+        import warnings
+        warnings.warn(f"MICROTENSOR_ADAPTIVE_THREADS={raw!r} is not one of 1, on, true, yes "
+                      f"(follow the load) or 0, off, false, no (always the configured "
+                      f"count); following the load", RuntimeWarning, stacklevel=2)
+        value = 1
+    return value
+
+
+import os as _os
+mt_team_state.adaptive = _adaptive_setting(_os.environ)
 mt_team_start()
 use_team(<size_t>&mt_team)
+
+
+def _after_fork():
+    """In a child made by os.fork(): libgomp's worker threads stayed behind in the parent,
+    and the child's first region with more than one thread would wait for them forever.
+    So a child of a parent that ran such a region runs every kernel on one thread (the
+    same split, so the same bits: only the team shrinks); its set_num_threads still sets
+    the split. A child of a parent that never went parallel keeps its threads."""
+    if mt_team_went_parallel:
+        mt_team_state.forced = 1
+
+
+def forked_child_runs_alone():
+    """True in a forked child whose kernels run on one thread (see _after_fork)."""
+    return mt_team_went_parallel == 1 and mt_team_state.forced == 1
+
+
+if hasattr(_os, "register_at_fork"):
+    _os.register_at_fork(after_in_child=_after_fork)
 
 
 def team_pointer():

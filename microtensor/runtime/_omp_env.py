@@ -33,12 +33,15 @@ was already started by another library, or the extensions link another OpenMP ru
 
 A variable the user has set is left alone: an explicit OMP_WAIT_POLICY or
 GOMP_SPINCOUNT (which overrides the policy's spin count in libgomp) wins, and then
-microtensor sets neither. MICROTENSOR_OMP_DEFAULTS=0 turns the whole thing off.
+microtensor sets neither. MICROTENSOR_OMP_DEFAULTS=0 (off, false, no, or empty) turns the
+whole thing off; a value it does not know warns and leaves it on.
 """
 import ctypes
 import mmap
 import os
 import sys
+
+from microtensor.runtime._variables import switch
 
 # name -> the value microtensor sets when the user has set none of these variables
 OMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
@@ -80,13 +83,15 @@ def apply_defaults(environ=None):
     env = os.environ if environ is None else environ
     sources = {name: "user" for name in _WAIT_VARIABLES if name in env}
     chosen = {}
-    if not sources and env.get("MICROTENSOR_OMP_DEFAULTS", "1") not in ("0", ""):
+    # NOTE: set but empty turns the defaults off, as it always has; unset means on
+    if (not sources and env.get("MICROTENSOR_OMP_DEFAULTS") != ""
+            and switch(env, "MICROTENSOR_OMP_DEFAULTS")):
         chosen = dict(OMP_DEFAULTS)
     if environ is not None:
         environ.update(chosen)
         return dict(sources, **{name: "microtensor" for name in chosen})
     if not chosen:
-        reason = "set by the user" if sources else "MICROTENSOR_OMP_DEFAULTS=0"
+        reason = "set by the user" if sources else "MICROTENSOR_OMP_DEFAULTS=off"
     elif not sys.platform.startswith("linux") or not _links_libgomp():
         chosen, reason = {}, "the extensions do not link libgomp"
     elif _loaded_already():
