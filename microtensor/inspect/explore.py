@@ -36,7 +36,7 @@ import numpy as np
 from microtensor.core import _core
 from microtensor.core._core import Tensor
 from microtensor.inspect.calls import track_modules
-from microtensor.inspect.compare import math_line
+from microtensor.inspect.compare import math_line, math_rule
 from microtensor.inspect.explore_page import render_page
 from microtensor.inspect.graph import build_graph
 from microtensor.inspect.residual import residual_adds
@@ -285,7 +285,9 @@ def explore(loss, path=None, model=None, optimizer=None, lr=None, calls=None, na
         if gnode.kind == "op":
             node = graph.origin[nid][0]
             out = outputs[node]
-            entry.update(op=node.name(), math=math_line(node), dtype=str(out.dtype))
+            forward, backward = math_rule(node)
+            entry.update(op=node.name(), math=math_line(node), forward=forward,
+                         backward=backward, dtype=str(out.dtype))
             entry["grad"] = watch.received.get(node)
         else:
             t = leaves[nid]
