@@ -30,6 +30,8 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
+import time
 from glob import glob
 
 import numpy as np
@@ -156,6 +158,14 @@ def widen_kernels(c_file, names):
         f.write(text)
 
 
+_progress = {"lock": threading.Lock(), "done": 0}
+
+
+def say(line):
+    """A progress line on stderr, at once."""
+    print(f"microtensor build: {line}", file=sys.stderr, flush=True)
+
+
 class ParallelBuildExt(build_ext):
     """build_ext with one compile job per CPU unless -j/--parallel says otherwise (pip
     runs build_ext without options, so the default is what makes `pip install .` quick);
@@ -172,7 +182,13 @@ class ParallelBuildExt(build_ext):
                 if source.endswith(".c"):
                     target_kernels_only(source, KERNEL_TARGETS[ext.name])
                     widen_kernels(source, WIDE_VECTOR_KERNELS.get(ext.name, ()))
+        start = time.monotonic()
         super().build_extension(ext)
+        # signs of life (pip shows them with -v): the extensions compile in parallel
+        with _progress["lock"]:
+            _progress["done"] += 1
+            say(f"[{_progress['done']}/{len(self.extensions)}] {ext.name} "
+                f"({time.monotonic() - start:.0f} s)")
 
 
 def record_build_config():
@@ -301,11 +317,15 @@ class IncrementalBuildExt(ParallelBuildExt):
     def run(self):
         stale = [ext for ext in self.extensions
                  if not (same_settings and c_is_current(ext.sources[0][:-2] + ".pyx"))]
+        started = time.monotonic()
+        say(f"{len(self.extensions)} C extensions ({len(stale)} to translate with Cython "
+            f"first), {self.parallel or 1} compile jobs: a full build takes a few minutes")
         if stale:
             cythonize([Extension(ext.name, [ext.sources[0][:-2] + ".pyx"]) for ext in stale],
                       compiler_directives=directives, nthreads=jobs(),
                       compile_time_env={"MT_OPENMP": openmp}, force=True)
         super().run()
+        say(f"done in {time.monotonic() - started:.0f} s")
         os.makedirs(os.path.dirname(STAMP), exist_ok=True)
         with open(STAMP, "w") as f:
             json.dump(settings, f, indent=1)

@@ -23,7 +23,7 @@ echo "# building (about 2 minutes)"
     || { tail -30 "$OUT/build.log"; exit 1; }
 
 # the scripts import the installed package (the source folder is not on sys.path)
-BENCH=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$PY" benchmarks/bench_train.py)
+BENCH=(env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$PY" benchmarks/bench_train.py --strict-quiet)
 echo "# sweep, load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 "${BENCH[@]}" --config tiny,cpu,mid --threads 1,2,4,8,16 --rounds 3 \
     --json "$OUT/sweep.jsonl" --plot "$OUT/scaling.png" | tee "$OUT/sweep.txt"

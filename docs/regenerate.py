@@ -42,7 +42,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 IMG = os.path.join(ROOT, "docs", "img")
 RECORD = os.path.join(ROOT, "docs", "generated.json")
 DOCS = ["README.md", "docs/TRAINING.md", "docs/RESIDUAL_FLOW.md", "docs/MODELS.md",
-        "docs/FUSED_OPS.md"]
+        "docs/FUSED_OPS.md", "docs/EXPLORE.md"]
 BLOCK = re.compile(r"<!-- generated:([\w-]+) -->(.*?)<!-- /generated -->", re.S)
 RTOL = 2e-3          # recomputed numbers against the record (a CPU's float32 rounding)
 RTOL_TRAINED = 0.03  # after hundreds of training steps such differences have grown
@@ -377,6 +377,50 @@ class Graph(Part):
         return texts
 
 
+class Explore(Part):
+    """examples/explore.py: the counts docs/EXPLORE.md quotes, read from the pages it
+    writes (the data embedded in each page: what the page itself shows)."""
+    name = "explore"
+    cheap = True
+    RESIDUAL12 = ("--n_layer", "12", "--n_embd", "64", "--block_size", "64",
+                  "--batch_size", "8")
+
+    @staticmethod
+    def page_facts(path):
+        with open(path, encoding="utf-8") as f:
+            page = f.read()
+        data = json.loads(re.search(r'<script type="application/json" id="explorer-data">'
+                                    r'(.*?)</script>', page, re.S).group(1))
+        return dict(nodes=len(data["nodes"]), ops=data["meta"]["ops"],
+                    kb=round(len(page.encode()) / 1024))
+
+    def measure(self, tmp, write, residual12=True):
+        main_page = os.path.join(tmp, "main.html")
+        run_example("explore.py", "--out", main_page, cwd=tmp)
+        values = dict(main=self.page_facts(main_page))
+        if residual12:
+            deep = os.path.join(tmp, "residual12.html")
+            run_example("explore.py", "--out", deep, *self.RESIDUAL12, cwd=tmp)
+            values["residual12"] = self.page_facts(deep)
+        return values
+
+    def quick(self, tmp, recorded):
+        return self.measure(tmp, write=False, residual12=False)
+
+    def compared(self, values):
+        # the counts are exact; a page's size moves with the digits of its numbers
+        return {k: {"nodes": v["nodes"], "ops": v["ops"]} for k, v in values.items()}
+
+    def render(self, v, record):
+        main, deep = v["main"], v["residual12"]
+        return {
+            "explore_main_counts": (f"{main['nodes']} nodes ({main['ops']} ops) and weighs "
+                                    f"about {round(main['kb'], -1):.0f} KB"),
+            "explore_residual12_counts": (f"{deep['nodes']} nodes ({deep['ops']} ops), about "
+                                          f"{round(deep['kb'], -2):.0f} KB"),
+        }
+
+
 class TrainCharDefault(Part):
     """examples/train_char.py with no arguments: docs/TRAINING.md's first section, the
     README's run time, the loss picture and the constant --help quotes."""
@@ -641,7 +685,7 @@ def timing(record):
             + "." + ("" if len(known) == len(runs) else " The other run's time was not kept."))
 
 
-PARTS = [KernelConstants(), ResidualFlow(), Graph(), TrainCharDefault(), Seq2Seq(),
+PARTS = [KernelConstants(), ResidualFlow(), Graph(), Explore(), TrainCharDefault(), Seq2Seq(),
          GradcheckLayers(), TinyShakespeare(), TinyShakespeareModern()]
 
 

@@ -264,7 +264,7 @@ def main(argv=None):
           "left are the residual connections:")
     write(mti.build_graph(y, module=block, calls=calls, names=names, collapse=True,
                           title=f"one {kind} TransformerBlock, by module"),
-          args.out, "graph_block_collapsed", args.engine)
+          args.out, "graph_block_collapsed", args.engine, dpi=160)   # few boxes: drawn large
     return 0
 
 

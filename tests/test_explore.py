@@ -133,6 +133,8 @@ def test_rule_math_lines_and_shapes(case):
         if n["kind"] == "op":
             node = graph.origin[n["id"]][0]
             assert n["math"] == mti.math_line(node) and n["math"] != "(no math line)", n["op"]
+            assert (n["forward"], n["backward"]) == mti.math_rule(node), n["op"]
+            assert n["forward"] and n["backward"], n["op"]
             assert tuple(n["shape"]) == graph.nodes[n["id"]].shape
             assert n["value"]["numel"] == int(np.prod(n["shape"]))
 
@@ -401,7 +403,8 @@ def test_browser_permalink_selects_the_node(browser, gpt_page):
     info = browser.eval("explorer.selectedInfo()")
     assert info["id"] == target["id"] and info["math"] == target["math"]
     assert info["gradNorm"] == pytest.approx(target["grad"]["norm"], rel=1e-12)
-    assert target["math"] in info["panelText"]
+    assert target["forward"] in info["panelText"] and target["backward"] in info["panelText"]
+    assert "dv = P^T @ g" in target["backward"]
     # the node sat inside a folded block: selecting it unfolded the block
     assert browser.eval(f"!!document.querySelector('g.node[data-id=\"{target['id']}\"]')")
 
@@ -423,3 +426,228 @@ def test_browser_makes_no_network_request(browser, main_job_page):
     assert ready_ms < 2000, f"the page took {ready_ms} ms to be ready"
     assert seconds < 10
     assert browser.eval("explorer.nodeCount()") > 40
+
+
+# ---- the layout: group boxes by module path -------------------------------------------
+
+GEOMETRY_JS = r"""(() => {
+  const num = (el, k) => parseFloat(el.getAttribute(k));
+  const boxes = [...document.querySelectorAll('rect.gbox')].map(r => ({g: r.dataset.g,
+    x0: num(r, 'x'), y0: num(r, 'y'), x1: num(r, 'x') + num(r, 'width'),
+    y1: num(r, 'y') + num(r, 'height')}));
+  const nodes = [...document.querySelectorAll('g.node')].map(el => {
+    const m = /translate\(([-\d.e]+),\s*([-\d.e]+)\)/.exec(el.getAttribute('transform'));
+    const r = el.querySelector('rect'), x = parseFloat(m[1]), y = parseFloat(m[2]);
+    return {id: el.dataset.id, x0: x, y0: y, x1: x + num(r, 'width'), y1: y + num(r, 'height')};
+  });
+  const notes = [...document.querySelectorAll('g.node text.note')].map(t => {
+    const b = t.getBBox(), m = /translate\(([-\d.e]+),\s*([-\d.e]+)\)/.exec(
+      t.parentNode.getAttribute('transform'));
+    const x = parseFloat(m[1]) + b.x, y = parseFloat(m[2]) + b.y;
+    return {id: t.parentNode.dataset.id, x0: x, y0: y, x1: x + b.width, y1: y + b.height};
+  });
+  return {boxes, nodes, notes};
+})()"""
+
+
+def _inside(a, b):
+    return a["x0"] >= b["x0"] and a["y0"] >= b["y0"] and a["x1"] <= b["x1"] and a["y1"] <= b["y1"]
+
+
+def _overlap(a, b):
+    return a["x0"] < b["x1"] and b["x0"] < a["x1"] and a["y0"] < b["y1"] and b["y0"] < a["y1"]
+
+
+def check_group_geometry(browser, data):
+    """No two sibling group boxes overlap, a box sits inside its parent's, and every node
+    (and the skip/branch note beside it) lies inside exactly the boxes of its module path
+    (its unfolded groups), touching no other box."""
+    geo = browser.eval(GEOMETRY_JS)
+    groups = {g["name"]: g for g in data["groups"]}
+    folded = set(browser.eval("explorer.data.groups.filter(g => g.folded).map(g => g.name)"))
+
+    def path(group):
+        chain = []
+        while group:
+            chain.append(group)
+            group = groups[group]["parent"]
+        return [g for g in chain if not any(a in folded for a in path_up(g))]
+
+    def path_up(group):
+        chain = []
+        while group:
+            chain.append(group)
+            group = groups[group]["parent"]
+        return chain
+    boxes = {b["g"]: b for b in geo["boxes"]}
+    assert len(boxes) == len(geo["boxes"]) == len([g for g in groups if not any(
+        a in folded for a in path_up(g))])
+    names = sorted(boxes)
+    for i, a in enumerate(names):
+        parent = groups[a]["parent"]
+        if parent is not None:
+            assert _inside(boxes[a], boxes[parent]), (a, parent)
+        for b in names[i + 1:]:
+            if groups[b]["parent"] == parent:
+                assert not _overlap(boxes[a], boxes[b]), (a, b, boxes[a], boxes[b])
+    by_id = {n["id"]: n for n in data["nodes"]}
+    for kind, items in (("node", geo["nodes"]), ("note", geo["notes"])):
+        for item in items:
+            if item["id"].startswith("g:"):
+                own = path(groups[item["id"][2:]]["parent"])
+            else:
+                own = path(by_id[item["id"]]["group"])
+            for name, box in boxes.items():
+                if name in own:
+                    assert _inside(item, box), (kind, item["id"], name)
+                else:
+                    assert not _overlap(item, box), (kind, item["id"], "inside", name)
+    return geo
+
+
+def test_browser_group_boxes_never_overlap(browser, gpt_page, main_job_page):
+    ex, *_, url = gpt_page
+    for page, data in ((url, ex.data), ("file://" + main_job_page, None)):
+        browser.open(page)
+        data = data or browser.eval("explorer.data")
+        check_group_geometry(browser, data)                 # folded blocks
+        browser.eval("explorer.unfoldAll()")
+        geo = check_group_geometry(browser, data)           # every group open
+        assert len(geo["boxes"]) >= 10 and len(geo["notes"]) == 2 * len(data["residuals"])
+        browser.eval("explorer.fold('transformer.h.1')")
+        check_group_geometry(browser, data)
+
+
+def test_group_geometry_check_can_fail(browser, gpt_page):
+    """The check sees a box moved onto its sibling."""
+    ex, *_, url = gpt_page
+    browser.open(url)
+    browser.eval("explorer.unfoldAll()")
+    browser.eval("(() => { const r = document.querySelector('rect.gbox[data-g=\"transformer.wpe\"]');"
+                 " const s = document.querySelector('rect.gbox[data-g=\"transformer.wte\"]');"
+                 " r.setAttribute('y', s.getAttribute('y')); r.setAttribute('x', s.getAttribute('x')); })()")
+    with pytest.raises(AssertionError):
+        check_group_geometry(browser, ex.data)
+
+
+# ---- the panel: the rule's forward and backward; a gradient once the stepper made it ---
+
+def test_browser_gradient_shows_once_the_stepper_reaches_it(browser, gpt_page):
+    ex, model, _, url = gpt_page
+    browser.open(url)
+    browser.eval("explorer.unfoldAll()")
+    order = ex.data["order"]
+    node = next(n for n in ex.data["nodes"] if n["op"] == "AttentionBackward")
+    k = node["step"]
+    assert 0 < k < len(order) - 1
+    browser.eval(f"explorer.select('{node['id']}')")
+    info = browser.eval("explorer.selectedInfo()")          # before stepping: final
+    assert info["gradWhen"] == "final" and "final" in info["panelText"]
+    assert info["gradNorm"] == pytest.approx(node["grad"]["norm"], rel=1e-12)
+    for _ in range(k):
+        browser.eval("explorer.step()")
+    info = browser.eval("explorer.selectedInfo()")          # its rule has not run yet
+    assert info["gradWhen"] == "waiting" and info["gradNorm"] is None
+    assert fmt_like(node["grad"]["norm"]) not in info["panelText"]
+    browser.eval("explorer.step()")                          # now it has
+    info = browser.eval("explorer.selectedInfo()")
+    assert info["gradWhen"] == "reached"
+    assert info["gradNorm"] == pytest.approx(node["grad"]["norm"], rel=1e-12)
+    browser.eval("explorer.back()")
+    assert browser.eval("explorer.selectedInfo()")["gradNorm"] is None
+    # a parameter: its .grad is complete once the last op reading it has run
+    row = next(r for r in ex.data["params"] if r["name"] == "transformer.wte.weight")
+    readers = [ex.node(e["t"])["step"] for e in ex.data["edges"] if e["s"] == row["id"]]
+    done = max(readers) + 1
+    assert len(readers) == 2                                  # tied: embedding and head
+    browser.eval("explorer.reset()")
+    browser.eval(f"explorer.select('{row['id']}')")
+    for _ in range(done - 1):
+        browser.eval("explorer.step()")
+    info = browser.eval("explorer.selectedInfo()")
+    assert info["gradWhen"] == "waiting" and info["paramGradNorm"] is None
+    browser.eval("explorer.step()")
+    info = browser.eval("explorer.selectedInfo()")
+    assert info["paramGradNorm"] == pytest.approx(row["grad_norm"], rel=1e-12)
+    # the skip/branch numbers beside an addition: hidden until its stream's gradient is made
+    browser.eval("explorer.reset(); explorer.step()")
+    hidden = browser.eval("[...document.querySelectorAll('g.node text.note')]"
+                          ".map(t => t.style.visibility)")
+    assert hidden and set(hidden) == {"hidden"}
+    while browser.eval("explorer.step()") < len(order):
+        pass
+    shown = browser.eval("[...document.querySelectorAll('g.node text.note')]"
+                         ".map(t => t.style.visibility)")
+    assert set(shown) == {"visible"}
+
+
+def fmt_like(v):
+    """The page's 4-digit form of a number (fmt in the page's script), for 1e-3 <= v < 1e4."""
+    return f"{v:.4g}"
+
+
+FUSED = ["LayerNormBackward", "RMSNormBackward", "SoftmaxBackward", "LogSoftmaxBackward",
+         "CrossEntropyBackward", "GeluBackward", "AttentionBackward", "EmbeddingBackward",
+         "LinearBackward", "SiluBackward", "DropoutBackward", "RopeBackward",
+         "MSELossBackward", "BinaryCrossEntropyBackward"]
+
+
+def fused_rules():
+    """Every rule class (a backward node) defined in microtensor.nn: the fused ops."""
+    import importlib
+    import pkgutil
+    from microtensor.core._core import Node
+    found = {}
+    for info in pkgutil.walk_packages(nn.__path__, "microtensor.nn."):
+        module = importlib.import_module(info.name)
+        for name, cls in vars(module).items():
+            if isinstance(cls, type) and issubclass(cls, Node) and cls.__module__ == module.__name__:
+                found[name] = cls
+    return found
+
+
+def test_every_fused_rule_states_its_forward_and_backward():
+    rules = fused_rules()
+    assert set(FUSED) <= set(rules)
+    for name, cls in rules.items():
+        forward, backward = mti.math_rule(cls)
+        assert "=" in forward and not forward.startswith("d"), (name, forward)
+        assert re.match(r"d\w", backward) and "=" in backward, (name, backward)
+    # the rule's whole first paragraph: LayerNorm's backward spans two lines
+    forward, backward = mti.math_rule(rules["LayerNormBackward"])
+    assert forward.startswith("y = (x - mean)") and "dw = sum_rows(g * xhat)" in backward
+    assert mti.math_rule(rules["RopeBackward"])[0].startswith("y = x cos")   # from composite
+
+
+def test_browser_panel_shows_each_fused_ops_forward_and_backward(browser, tmp_path):
+    mt.manual_seed(1)
+    x = mt.randn(2, 3, 4, dtype=mt.float64, requires_grad=True)
+    w, b = mt.ones(4, dtype=mt.float64, requires_grad=True), mt.zeros(4, dtype=mt.float64,
+                                                                        requires_grad=True)
+    W = mt.randn(4, 4, dtype=mt.float64, requires_grad=True)
+    E = mt.randn(5, 4, dtype=mt.float64, requires_grad=True)
+    h = F.layer_norm(x, (4,), w, b) + F.rms_norm(x, (4,), w) + F.embedding(
+        mt.tensor([[0, 1, 2]]), E)
+    h = F.gelu(F.linear(h, W)) + F.silu(h)
+    q = h.reshape(2, 1, 3, 4)
+    a = F.scaled_dot_product_attention(q, q, q, is_causal=True).reshape(6, 4)
+    loss = F.cross_entropy(a, mt.tensor([0, 1, 2, 3, 0, 1])) + F.log_softmax(a, -1).mean() \
+        + F.softmax(a, -1).pow(2).sum()
+    ex = mti.explore(loss, names={"x": x})
+    ops = {n["op"]: n for n in ex.data["nodes"] if n["kind"] == "op"}
+    want = ["LayerNormBackward", "RMSNormBackward", "EmbeddingBackward", "GeluBackward",
+            "LinearBackward", "SiluBackward", "AttentionBackward", "CrossEntropyBackward",
+            "LogSoftmaxBackward", "SoftmaxBackward"]
+    assert set(want) <= set(ops)
+    rules = fused_rules()
+    path = tmp_path / "fused.html"
+    ex.save(path)
+    browser.open("file://" + str(path))
+    for op in want:
+        node = ops[op]
+        browser.eval(f"explorer.select('{node['id']}')")
+        info = browser.eval("explorer.selectedInfo()")
+        forward, backward = mti.math_rule(rules[op])
+        assert (node["forward"], node["backward"]) == (forward, backward)
+        assert forward and backward, op
+        assert info["forward"] == forward and info["backward"] == backward, op

@@ -43,10 +43,10 @@ from microtensor.inspect.visits import BackwardTrace, backward_order
 from microtensor.inspect.flow import GradientFlow
 from microtensor.inspect.explore import explore, Explorer
 from microtensor.inspect.compare import (
-    compare_grads, GradReport, GradLine, retain_grads, math_line,
+    compare_grads, GradReport, GradLine, retain_grads, math_line, math_rule,
 )
 
 __all__ = ["GradientRecorder", "GradRecord", "ResidualUnit", "track_modules", "ModuleCalls",
            "Graph", "build_graph", "to_dot", "render", "dot_available", "save_small_png",
            "BackwardTrace", "backward_order", "compare_grads", "GradReport", "GradLine",
-           "retain_grads", "math_line", "GradientFlow", "explore", "Explorer"]
+           "retain_grads", "math_line", "math_rule", "GradientFlow", "explore", "Explorer"]

@@ -21,6 +21,7 @@ what comes after it was computed from it. There it names the ops that turned the
 gradients below it into this one, each with the math line of its backward rule (the
 first line of the Node class's docstring), and the later tensors that inherit the error.
 """
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,7 +30,8 @@ import numpy as np
 from microtensor.core._core import Tensor
 from microtensor.inspect.visits import backward_order
 
-__all__ = ["compare_grads", "backward_names", "GradReport", "GradLine", "retain_grads", "math_line"]
+__all__ = ["compare_grads", "backward_names", "GradReport", "GradLine", "retain_grads", "math_line",
+           "math_rule"]
 
 # the default rtol per dtype of the engine's gradient: a few hundred ulps of the
 # largest element, which separates rounding from a wrong rule by orders of magnitude
@@ -38,10 +40,61 @@ GOOD = ("exact", "close")
 
 
 def math_line(node):
-    """The math of a node's backward rule: the first line of its class docstring."""
-    doc = type(node).__doc__ or ""
-    line = doc.strip().splitlines()[0].strip() if doc.strip() else ""
-    return line or "(no math line)"
+    """The math of a node's backward rule: the first line of its class docstring (of its
+    kernel's, for the elementwise nodes that share one class and differ by kernel)."""
+    lines = _rule_lines(node)
+    return lines[0] if lines else "(no math line)"
+
+
+# a backward term of a rule's docstring: dx =, dW[idx[i]] +=, dx_i =, dmask = ...
+_BACKWARD_TERM = re.compile(r"(?<![A-Za-z0-9_])d[A-Za-z_][\w\[\]]*\s*\+?=(?!=)")
+
+
+def _first_paragraph(doc):
+    lines = []
+    for line in (doc or "").strip().splitlines():
+        if not line.strip():
+            break
+        lines.append(" ".join(line.split()))
+    return lines
+
+
+def _kernel_lines(node):
+    """An elementwise node's rule, from its kernel's docstring ('d tanh(x) = g * (1 - y^2)'),
+    past the signature line Cython puts first; [] for other nodes."""
+    kernel = None if isinstance(node, type) else getattr(node, "kernel", None)
+    doc = getattr(kernel, "__doc__", None) or ""
+    parts = [p for p in doc.strip().split("\n\n") if p.strip()]
+    if parts and re.match(r"^\w+\(.*\)$", parts[0].strip()):       # the signature
+        parts = parts[1:]
+    return _first_paragraph(parts[0]) if parts else []
+
+
+def _rule_lines(node):
+    cls = node if isinstance(node, type) else type(node)
+    return _kernel_lines(node) or _first_paragraph(cls.__doc__)
+
+
+def math_rule(node):
+    """(forward, backward): the math of a node's rule in full, from the first paragraph of
+    its class docstring (the forward, then the backward from its first `dX =` term on).
+    An elementwise node's kernel states `d f(x) = ...`: forward y = f(x), backward
+    dx = .... A fused rule whose docstring states only the backward gets its forward from
+    its `composite` method's docstring (the same op from primitives). '' for a part that
+    is not stated. Takes a node or a rule class."""
+    cls = node if isinstance(node, type) else type(node)
+    kernel = _kernel_lines(node)
+    if kernel:
+        m = re.match(r"^d\s+(.+?)\s+=\s+(.*)$", kernel[0])
+        if m:
+            return f"y = {m.group(1)}", "\n".join([f"dx = {m.group(2)}"] + kernel[1:])
+    text = "\n".join(_rule_lines(node))
+    m = _BACKWARD_TERM.search(text)
+    forward, backward = (text[:m.start()], text[m.start():]) if m else (text, "")
+    forward = forward.strip().rstrip(";,").strip()
+    if not forward and getattr(cls, "composite", None) is not None:
+        forward = "\n".join(_first_paragraph(cls.composite.__doc__))
+    return forward, backward.strip()
 
 
 def retain_grads(tensors):

@@ -36,7 +36,7 @@ import numpy as np
 from microtensor.core import _core
 from microtensor.core._core import Tensor
 from microtensor.inspect.calls import track_modules
-from microtensor.inspect.compare import math_line
+from microtensor.inspect.compare import math_line, math_rule
 from microtensor.inspect.explore_page import render_page
 from microtensor.inspect.graph import build_graph
 from microtensor.inspect.residual import residual_adds
@@ -79,17 +79,20 @@ def _dense_norm(g):
 
 class _StepWatch:
     """The engine's per-node hook for one backward pass: order, the gradient each node
-    received (summarised), the norm sent along each (node, input) edge, and at each
-    residual addition z = s + b the skip part (sent to s by the addition) and the branch
-    part (sent to s by every other consumer) of the gradient reaching s."""
+    received (summarised), the norm sent along each (node, input) edge, and for each
+    residual addition z = s + b the two parts of the gradient reaching the stream s:
+    skip, what the addition sends to s (dL/dz), and branch, what every other consumer
+    of s sends (dL/ds - dL/dz: the branch may read s more than once, and several
+    additions may share one stream, each then counting the others as branch)."""
 
     def __init__(self, adds, bins):
         self.bins = bins
         self.order, self.received, self.sent = [], {}, {}
-        self.skip_slot = {(node, s): node for node, s, _ in adds}
-        self.streams = {}                         # key of s -> [skip norm, branch sum]
+        self.skip_slots = {(node, s) for node, s, _ in adds}
+        self.skip_grad = {}                       # (add node, s) -> dL/dz, dense float64
+        self.stream_total = {}                    # key of s -> dL/ds, dense float64
         for node, s, _ in adds:
-            self.streams[self._key(node.inputs[s])] = [None, None]
+            self.stream_total[self._key(node.inputs[s])] = None
         self._outer = None
 
     @staticmethod
@@ -102,19 +105,31 @@ class _StepWatch:
         self.order.append(node)
         self.received[node] = summarise(grad, self.bins)
         for i, gi in enumerate(grads):
-            if gi is None:
+            # NOTE: a Python scalar operand (x + 1e-5) has no tensor in node.inputs, yet
+            # some rules still return a gradient for its slot: nothing receives it
+            if gi is None or i >= len(node.inputs) or node.inputs[i] is None:
                 continue
             self.sent[(node, i)] = _dense_norm(gi)
-            stream = self.streams.get(self._key(node.inputs[i]))
-            if stream is None:
+            key = self._key(node.inputs[i])
+            if key not in self.stream_total:
                 continue
-            if (node, i) in self.skip_slot:
-                stream[0] = self.sent[(node, i)]
-            else:
-                dense = gi.dense() if isinstance(gi, _core.SliceGrad) else np.asarray(gi)
-                dense = dense.astype(np.float64)
-                stream[1] = dense if stream[1] is None else stream[1] + dense
+            dense = gi.dense() if isinstance(gi, _core.SliceGrad) else np.asarray(gi)
+            dense = np.asarray(dense, dtype=np.float64)
+            total = self.stream_total[key]
+            self.stream_total[key] = dense.copy() if total is None else total + dense
+            if (node, i) in self.skip_slots:
+                self.skip_grad[(node, i)] = dense.copy()
         return grads
+
+    def split(self, node, s):
+        """(|skip|, |branch|) at the addition `node` whose stream is input `s`; None for
+        a part no gradient reached."""
+        skip = self.skip_grad.get((node, s))
+        total = self.stream_total.get(self._key(node.inputs[s]))
+        if skip is None:
+            return None, None if total is None else float(np.linalg.norm(total))
+        branch = float(np.linalg.norm(total - skip))
+        return float(np.linalg.norm(skip)), branch
 
     def __enter__(self):
         self._outer = _core.get_backward_profiler()
@@ -270,7 +285,9 @@ def explore(loss, path=None, model=None, optimizer=None, lr=None, calls=None, na
         if gnode.kind == "op":
             node = graph.origin[nid][0]
             out = outputs[node]
-            entry.update(op=node.name(), math=math_line(node), dtype=str(out.dtype))
+            forward, backward = math_rule(node)
+            entry.update(op=node.name(), math=math_line(node), forward=forward,
+                         backward=backward, dtype=str(out.dtype))
             entry["grad"] = watch.received.get(node)
         else:
             t = leaves[nid]
@@ -303,9 +320,7 @@ def explore(loss, path=None, model=None, optimizer=None, lr=None, calls=None, na
         norm = math.sqrt(squares[(a, b)]) if (a, b) in squares else None
         data["edges"].append({"s": a, "t": b, "norm": norm, "skip": (a, b) in graph.skip_edges})
     for node, s, b in adds:
-        stream = watch.streams[_StepWatch._key(node.inputs[s])]
-        skip = stream[0]
-        branch = None if stream[1] is None else float(np.linalg.norm(stream[1]))
+        skip, branch = watch.split(node, s)
         row = {"node": op_nodes[node], "stream": source_id(node.inputs[s]),
                "branch_input": source_id(node.inputs[b]), "skip": skip, "branch": branch}
         data["residuals"].append(row)

@@ -85,6 +85,7 @@ JS = r"""
 const D=JSON.parse(document.getElementById('explorer-data').textContent);
 const N={},G={},kids={};D.nodes.forEach(n=>{N[n.id]=n;n.ins=[];n.outs=[];});
 D.edges.forEach(e=>{N[e.t].ins.push(e);N[e.s].outs.push(e);});
+(D.residuals||[]).forEach(r=>{if(N[r.node]&&N[r.node].residual)N[r.node].residual.at=N[r.stream]?doneAt(N[r.stream]):null;});
 D.groups.forEach(g=>{G[g.name]=g;(kids[g.parent]=kids[g.parent]||[]).push(g.name);});
 const S={step:0,sel:null,zoom:1,timer:null,matches:new Set(),pos:{}};
 const esc=s=>String(s).replace(/[&<>"]/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
@@ -99,74 +100,98 @@ const STOPS=[[68,1,84],[59,82,139],[33,145,140],[94,201,98],[253,231,37]];
 function color(v){if(!(v>0))return '#bbb';let t=HI>LO?(Math.log10(v)-LO)/(HI-LO):1;t=Math.max(0,Math.min(1,t))*(STOPS.length-1);
  const i=Math.min(Math.floor(t),STOPS.length-2),f=t-i,c=STOPS[i].map((a,k)=>Math.round(a+(STOPS[i+1][k]-a)*f));return `rgb(${c})`;}
 // ---- layout ---------------------------------------------------------------------
+// By group, inside out: each unfolded group is laid out on its own (its members in
+// longest-path layers, barycentric order, pulled towards their neighbours), then takes
+// the place of one box in the layout of the group around it. So sibling group boxes
+// never overlap, and a node lies inside exactly the boxes of its module path.
+const PAD=10,TOP=20,GX=26,GY=44,NOTE=112;
 function layout(){
  const U={},order=[];
  const unit=id=>{if(!U[id]){const g=id.startsWith('g:')?id.slice(2):null;const m=g?members(g):null;
   const lab=g?g+' · '+(G[g].type||'module'):short(N[id]);
   const sub=g?m.filter(n=>n.kind==='op').length+' ops, '+m.filter(n=>n.kind!=='op').length+' leaves':'('+N[id].shape.join(', ')+')';
-  U[id]={id,g,lab,sub,w:Math.max(lab.length,sub.length)*6.8+18,h:34,ins:[],outs:[],
+  const w=Math.max(lab.length,sub.length)*6.8+18;
+  U[id]={id,g,lab,sub,w,h:34,span:w+(!g&&N[id].residual?NOTE:0),
    path:anc(g?G[g].parent:N[id].group).filter(a=>!G[a].folded)};order.push(id);}return U[id];};
  D.nodes.forEach(n=>unit(rep(n.id)));
  const E={};D.edges.forEach(e=>{const a=rep(e.s),b=rep(e.t);if(a===b)return;const k=a+'>'+b;
-  if(!E[k])E[k]={s:a,t:b,norm:null,skip:false,orig:[]};const x=E[k];x.orig.push(e);x.skip=x.skip||e.skip;
+  if(!E[k])E[k]={s:a,t:b,norm:null,skip:false,orig:[],pts:[]};const x=E[k];x.orig.push(e);x.skip=x.skip||e.skip;
   if(e.norm!=null)x.norm=Math.max(x.norm||0,e.norm);});
- const edges=Object.values(E);edges.forEach(e=>{U[e.s].outs.push(e);U[e.t].ins.push(e);});
- // longest-path layers (a back edge, only possible when folding makes a cycle, is ignored)
- const L={},state={};const visit=id=>{if(state[id]===2)return L[id];if(state[id]===1)return -1;state[id]=1;
-  let l=0;U[id].ins.forEach(e=>{const p=visit(e.s);if(p<0)e.back=true;else l=Math.max(l,p+1);});state[id]=2;return L[id]=l;};
- order.forEach(visit);
- order.forEach(id=>{const u=U[id];if(!u.ins.some(e=>!e.back)&&u.outs.length)L[id]=Math.min(...u.outs.filter(e=>!e.back).map(e=>L[e.t]))-1;});
- let nl=0;order.forEach(id=>nl=Math.max(nl,L[id]+1));
- const rows=Array.from({length:nl},()=>[]);order.forEach(id=>rows[L[id]].push(U[id]));
- // dummy points for edges longer than one layer
- edges.forEach(e=>{e.pts=[];if(e.back)return;const a=L[e.s],b=L[e.t];const pa=U[e.s].path,pb=U[e.t].path;
-  const common=[];for(let i=0;i<Math.min(pa.length,pb.length)&&pa[i]===pb[i];i++)common.push(pa[i]);
-  for(let l=a+1;l<b;l++){const d={id:'d'+e.s+e.t+l,dummy:true,w:10,h:34,path:common,nb:[]};rows[l].push(d);e.pts.push(d);}
-  const chain=[U[e.s],...e.pts,U[e.t]];for(let i=0;i+1<chain.length;i++){(chain[i].dn=chain[i].dn||[]).push(chain[i+1]);(chain[i+1].up=chain[i+1].up||[]).push(chain[i]);}});
- rows.forEach(r=>r.forEach((u,i)=>u.o=i));
- const sortRow=(row,key)=>{const rec=(items,d)=>{const blocks=new Map();items.forEach(u=>{const k=u.path[d]!==undefined?u.path[d]:'#'+u.id;
-   if(!blocks.has(k))blocks.set(k,[]);blocks.get(k).push(u);});
-  const bl=[...blocks.entries()].map(([k,it])=>({k,it,v:it.reduce((s,u)=>s+key(u),0)/it.length}));bl.sort((x,y)=>x.v-y.v);
-  return bl.flatMap(b=>b.k[0]==='#'?b.it:rec(b.it,d+1));};const out=rec(row,0);out.forEach((u,i)=>u.o=i);return out;};
- for(let it=0;it<6;it++){for(let l=1;l<nl;l++)rows[l]=sortRow(rows[l],u=>u.up&&u.up.length?u.up.reduce((s,v)=>s+v.o,0)/u.up.length:u.o);
-  for(let l=nl-2;l>=0;l--)rows[l]=sortRow(rows[l],u=>u.dn&&u.dn.length?u.dn.reduce((s,v)=>s+v.o,0)/u.dn.length:u.o);}
- // x: pack, then pull towards the neighbours' centres, keeping order and gaps
- const gap=(a,b)=>{let i=0;while(i<a.path.length&&a.path[i]===b.path[i])i++;return 16+12*(a.path.length-i+b.path.length-i);};
- rows.forEach(r=>{let x=0;r.forEach((u,i)=>{if(i)x+=gap(r[i-1],u);u.x=x;x+=u.w;});});
- // each row: the positions nearest (least squares) to what the neighbours want, in order
- // and with the gaps kept: isotonic regression (pool adjacent violators) on x minus gaps
- const place=(r,want)=>{let c=0;const cs=[],bl=[];r.forEach((u,i)=>{if(i)c+=r[i-1].w+gap(r[i-1],u);cs.push(c);
-   bl.push({s:want(u)-c,n:1});while(bl.length>1&&bl[bl.length-2].s/bl[bl.length-2].n>bl[bl.length-1].s/bl[bl.length-1].n){const b=bl.pop();bl[bl.length-1].s+=b.s;bl[bl.length-1].n+=b.n;}});
-  let i=0;bl.forEach(b=>{for(let k=0;k<b.n;k++,i++)r[i].x=b.s/b.n+cs[i];});};
- const ctr=(list,u)=>list&&list.length?list.reduce((s,v)=>s+v.x+v.w/2,0)/list.length-u.w/2:u.x;
- const both=u=>ctr([...(u.up||[]),...(u.dn||[])],u);
- for(let it=0;it<8;it++){for(let l=1;l<nl;l++)place(rows[l],u=>ctr(u.up,u));for(let l=nl-2;l>=0;l--)place(rows[l],u=>ctr(u.dn,u));}
- for(let it=0;it<4;it++)for(let l=0;l<nl;l++)place(rows[l],both);
- let minx=Infinity;rows.forEach(r=>r.forEach(u=>minx=Math.min(minx,u.x)));
- const RH=78,M=40;rows.forEach((r,l)=>r.forEach(u=>{u.x+=M-minx+30;u.y=M+l*RH;}));
- // group rectangles: bounding boxes, nested
- const rect={};const unfolded=D.groups.filter(g=>!anc(g.name).some(a=>G[a].folded));
- const depth=g=>anc(g).length;unfolded.sort((a,b)=>depth(b.name)-depth(a.name)).forEach(g=>{let x0=Infinity,y0=Infinity,x1=-Infinity,y1=-Infinity;
-  const grow=(a,b,c,d)=>{x0=Math.min(x0,a);y0=Math.min(y0,b);x1=Math.max(x1,c);y1=Math.max(y1,d);};
-  order.forEach(id=>{const u=U[id];if(!u.g&&u.path.includes(g.name))grow(u.x,u.y,u.x+u.w,u.y+u.h);});
-  (kids[g.name]||[]).forEach(k=>{if(rect[k])grow(...rect[k]);else if(U['g:'+k]){const u=U['g:'+k];grow(u.x,u.y,u.x+u.w,u.y+u.h);}});
-  if(x0<Infinity)rect[g.name]=[x0-8,y0-16,x1+8,y1+8];});
- return {U,order,edges,rows,rect};
+ const edges=Object.values(E);
+ const rect={};
+ // one group's (or the root's, k = 0) contents: their sizes and places relative to it
+ function block(c,k){
+  const inside=order.map(id=>U[id]).filter(u=>k===0||u.path[k-1]===c);
+  const keyOf=u=>u.path[k]!==undefined?'G:'+u.path[k]:u.id;
+  const items={},list=[];
+  inside.forEach(u=>{const key=keyOf(u);if(items[key])return;
+   const it=key.startsWith('G:')?{key,sub:block(u.path[k],k+1)}:{key,u};
+   it.w=it.sub?it.sub.w:u.span;it.h=it.sub?it.sub.h:u.h;it.up=[];it.dn=[];items[key]=it;list.push(it);});
+  // the edges between this block's items (an edge lives in the deepest block holding both ends)
+  const IE={};edges.forEach(e=>{const a=U[e.s],b=U[e.t];if(k&&(a.path[k-1]!==c||b.path[k-1]!==c))return;
+   const ka=keyOf(a),kb=keyOf(b);if(ka===kb)return;const key=ka+'>'+kb;
+   (IE[key]=IE[key]||{s:items[ka],t:items[kb],edges:[]}).edges.push(e);});
+  const ies=Object.values(IE);ies.forEach(ie=>{(ie.s.outs=ie.s.outs||[]).push(ie);(ie.t.ins=ie.t.ins||[]).push(ie);});
+  // longest-path layers; an edge that closes a cycle (folding can make one) is ignored
+  const L=new Map(),st=new Map();const visit=it=>{if(st.get(it)===2)return L.get(it);if(st.get(it)===1)return -1;st.set(it,1);
+   let l=0;(it.ins||[]).forEach(ie=>{const p=visit(ie.s);if(p<0)ie.back=true;else l=Math.max(l,p+1);});st.set(it,2);L.set(it,l);return l;};
+  list.forEach(visit);
+  list.forEach(it=>{const outs=(it.outs||[]).filter(ie=>!ie.back);if(!(it.ins||[]).some(ie=>!ie.back)&&outs.length)L.set(it,Math.min(...outs.map(ie=>L.get(ie.t)))-1);});
+  let nl=0;list.forEach(it=>nl=Math.max(nl,L.get(it)+1));
+  const rows=Array.from({length:nl},()=>[]);list.forEach(it=>rows[L.get(it)].push(it));
+  // dummy points for item edges longer than one layer, and for edges that enter this
+  // block from outside (from its top row down to their node) or leave it (down to its
+  // bottom row): so an edge runs between boxes, not across them
+  const chainOf=(from,to,lo,hi)=>{const pts=[];for(let l=lo;l<=hi;l++){const d={dummy:true,w:10,h:10,up:[],dn:[]};rows[l].push(d);pts.push(d);}
+   const chain=[from,...pts,to].filter(Boolean);for(let i=0;i+1<chain.length;i++){chain[i].dn.push(chain[i+1]);chain[i+1].up.push(chain[i]);}return pts;};
+  ies.forEach(ie=>{ie.pts=ie.back?[]:chainOf(ie.s,ie.t,L.get(ie.s)+1,L.get(ie.t)-1);ie.edges.forEach(e=>e.mid=ie.pts);});
+  if(k){const ports={};edges.forEach(e=>{const a=U[e.s],b=U[e.t],ain=a.path[k-1]===c,bin=b.path[k-1]===c;if(ain===bin)return;
+   const it=items[keyOf(ain?a:b)],key=(ain?'out>':'in>')+it.key+'>'+(ain?e.t:e.s);
+   if(!ports[key])ports[key]=ain?chainOf(it,null,L.get(it)+1,nl-1):chainOf(null,it,0,L.get(it)-1);
+   (ain?(e.exits=e.exits||{}):(e.enters=e.enters||{}))[k]=ports[key];});}
+  rows.forEach(r=>r.forEach((u,i)=>u.o=i));
+  const bary=(u,nb)=>nb.length?nb.reduce((s,v)=>s+v.o,0)/nb.length:u.o;
+  const sortRow=(r,f)=>{r.sort((a,b)=>f(a)-f(b));r.forEach((u,i)=>u.o=i);};
+  for(let it=0;it<6;it++){for(let l=1;l<nl;l++)sortRow(rows[l],u=>bary(u,u.up));for(let l=nl-2;l>=0;l--)sortRow(rows[l],u=>bary(u,u.dn));}
+  // x: the positions nearest (least squares) to what the neighbours want, in order and
+  // with the gaps kept: isotonic regression (pool adjacent violators) on x minus gaps
+  rows.forEach(r=>{let x=0;r.forEach(u=>{u.x=x;x+=u.w+GX;});});
+  const place=(r,want)=>{let c=0;const cs=[],bl=[];r.forEach((u,i)=>{if(i)c+=r[i-1].w+GX;cs.push(c);
+    bl.push({s:want(u)-c,n:1});while(bl.length>1&&bl[bl.length-2].s/bl[bl.length-2].n>bl[bl.length-1].s/bl[bl.length-1].n){const b=bl.pop();bl[bl.length-1].s+=b.s;bl[bl.length-1].n+=b.n;}});
+   let i=0;bl.forEach(b=>{for(let q=0;q<b.n;q++,i++)r[i].x=b.s/b.n+cs[i];});};
+  const mid=u=>u.x+(u.u?u.u.w:u.w)/2;   // a node's centre is its box's, not its note's
+  const ctr=(nb,u)=>nb.length?nb.reduce((s,v)=>s+mid(v),0)/nb.length-(mid(u)-u.x):u.x;
+  for(let it=0;it<8;it++){for(let l=1;l<nl;l++)place(rows[l],u=>ctr(u.up,u));for(let l=nl-2;l>=0;l--)place(rows[l],u=>ctr(u.dn,u));}
+  for(let it=0;it<4;it++)for(let l=0;l<nl;l++)place(rows[l],u=>ctr([...u.up,...u.dn],u));
+  let minx=Infinity,maxx=-Infinity;rows.forEach(r=>r.forEach(u=>{minx=Math.min(minx,u.x);maxx=Math.max(maxx,u.x+u.w);}));
+  if(!isFinite(minx)){minx=0;maxx=0;}
+  const pad=k?PAD:0,top=k?TOP:0;let y=top;
+  rows.forEach(r=>{const h=Math.max(10,...r.map(u=>u.h));r.forEach(u=>{u.x+=pad-minx;u.y=u.dummy?y+h/2-5:y;});y+=h+GY;});
+  const w=maxx-minx+2*pad,h=y-GY+(k?PAD:0);
+  // absolute places, once the enclosing block knows where this one goes
+  const put=(x0,y0)=>{list.forEach(it=>{if(it.sub){it.sub.put(x0+it.x,y0+it.y);rect[it.key.slice(2)]=[x0+it.x,y0+it.y,x0+it.x+it.w,y0+it.y+it.h];}
+    else{it.u.x=x0+it.x;it.u.y=y0+it.y;}});rows.forEach(r=>r.forEach(u=>{if(u.dummy){u.ax=x0+u.x;u.ay=y0+u.y;}}));};
+  return {w,h,put};
+ }
+ const root=block('',0);const M=40;root.put(M,M);
+ const seq=(m,dir)=>Object.keys(m||{}).map(Number).sort((a,b)=>dir*(a-b)).flatMap(k=>m[k]);
+ edges.forEach(e=>{e.pts=[...seq(e.exits,-1),...(e.mid||[]),...seq(e.enters,1)].map(d=>({x:d.ax,y:d.ay,w:d.w,h:d.h}));});
+ return {U,order,edges,rect};
 }
 // ---- drawing --------------------------------------------------------------------
 const graphDiv=document.getElementById('graph');let LAY=null;
 function draw(){
  LAY=layout();const {U,order,edges,rect}=LAY;let W=0,H=0;order.forEach(id=>{const u=U[id];W=Math.max(W,u.x+u.w+200);H=Math.max(H,u.y+u.h+40);});
  const out=[`<svg id="svg" width="${W*S.zoom}" height="${H*S.zoom}" viewBox="0 0 ${W} ${H}"><defs><marker id="arr" viewBox="0 0 6 6" refX="5" refY="3" markerWidth="6" markerHeight="6" orient="auto"><path d="M0,0L6,3L0,6z" fill="#666"/></marker></defs>`];
- Object.entries(rect).sort((a,b)=>anc(a[0]).length-anc(b[0]).length).forEach(([g,r])=>{out.push(`<rect class="gbox" x="${r[0]}" y="${r[1]}" width="${r[2]-r[0]}" height="${r[3]-r[1]}" rx="6"/><text class="glabel" data-fold="${esc(g)}" x="${r[0]+4}" y="${r[1]+11}">&#8863; ${esc(g)}</text>`);});
+ Object.entries(rect).sort((a,b)=>anc(a[0]).length-anc(b[0]).length).forEach(([g,r])=>{out.push(`<rect class="gbox" data-g="${esc(g)}" x="${r[0]}" y="${r[1]}" width="${r[2]-r[0]}" height="${r[3]-r[1]}" rx="6"/><text class="glabel" data-fold="${esc(g)}" x="${r[0]+4}" y="${r[1]+11}">&#8863; ${esc(g)}</text>`);});
  edges.forEach(e=>{const a=U[e.s],b=U[e.t];const p=[[a.x+a.w/2,a.y+a.h],...e.pts.map(d=>[d.x+d.w/2,d.y+d.h/2]),[b.x+b.w/2,b.y]];
   let d=`M${p[0][0]},${p[0][1]}`;for(let i=1;i<p.length;i++){const m=(p[i-1][1]+p[i][1])/2;d+=`C${p[i-1][0]},${m} ${p[i][0]},${m} ${p[i][0]},${p[i][1]}`;}
   out.push(`<path class="edge${e.skip?' skip':''}" data-s="${esc(e.s)}" data-t="${esc(e.t)}" data-norm="${e.norm==null?'':e.norm}" stroke="${color(e.norm)}" d="${d}" marker-end="url(#arr)"><title>|g| ${fmt(e.norm)}${e.skip?' (skip connection)':''}</title></path>`);
   // between folded modules: the norm in words too (the gradient a block sends back)
-  if((U[e.s].g||U[e.t].g)&&e.norm!=null&&p.length===2)out.push(`<text class="note" x="${(p[0][0]+p[1][0])/2+6}" y="${(p[0][1]+p[1][1])/2+4}">|g| ${fmt(e.norm)}</text>`);});
+  if((U[e.s].g||U[e.t].g)&&e.norm!=null&&p.length===2)out.push(`<text class="note" data-t="${esc(e.t)}" x="${(p[0][0]+p[1][0])/2+6}" y="${(p[0][1]+p[1][1])/2+4}">|g| ${fmt(e.norm)}</text>`);});
  order.forEach(id=>{const u=U[id],n=N[id];const cls=u.g?'group':n.kind+(n.residual?' resid':'');
   out.push(`<g class="node ${cls}" data-id="${esc(id)}" data-kind="${u.g?'group':n.kind}" data-op="${esc(u.g?'':n.op)}" data-lit="0" transform="translate(${u.x},${u.y})"><rect width="${u.w}" height="${u.h}" rx="5"/><text x="8" y="14">${esc(u.lab)}</text><text class="sub" x="8" y="28">${esc(u.sub)}</text>`);
-  if(n&&n.residual)out.push(`<text class="note" x="${u.w+6}" y="13">skip ${fmt(n.residual.skip)}</text><text class="note" x="${u.w+6}" y="27">branch ${fmt(n.residual.branch)}</text>`);
+  if(n&&n.residual)out.push(`<text class="note" data-at="${n.residual.at}" x="${u.w+6}" y="13">skip ${fmt(n.residual.skip)}</text><text class="note" data-at="${n.residual.at}" x="${u.w+6}" y="27">branch ${fmt(n.residual.branch)}</text>`);
   out.push('</g>');});
  out.push('</svg>');graphDiv.innerHTML=out.join('');
  graphDiv.dataset.rendered=renderedCount();paint();
@@ -183,11 +208,19 @@ function paint(){
   el.dataset.lit=on?'1':'0';});
  graphDiv.querySelectorAll('path.edge').forEach(el=>{const t=el.dataset.t;let passed=true;
   if(S.step>0)passed=t.startsWith('g:')?members(t.slice(2)).some(n=>lit.has(n.id)):lit.has(t);el.classList.toggle('wait',!passed);});
+ // a gradient's number shows once the backward pass has made it (before any step: all, final)
+ graphDiv.querySelectorAll('text.note').forEach(el=>{let on=true;if(S.step>0){if(el.dataset.at)on=S.step>=+el.dataset.at;
+  else{const t=el.dataset.t;on=t.startsWith('g:')?members(t.slice(2)).some(n=>lit.has(n.id)):lit.has(t);}}
+  el.style.visibility=on?'visible':'hidden';});
  const n=now?N[now]:null;document.getElementById('stepinfo').textContent=`backward ${S.step} / ${D.order.length}`+(n?`: ${short(n)}`:'');
 }
-function step(){if(S.step<D.order.length){S.step++;paint();}return S.step;}
-function back(){if(S.step>0){S.step--;paint();}return S.step;}
-function reset(){pause();S.step=0;paint();return 0;}
+function step(){if(S.step<D.order.length){S.step++;paint();if(S.sel)panel();}return S.step;}
+function back(){if(S.step>0){S.step--;paint();if(S.sel)panel();}return S.step;}
+function reset(){pause();S.step=0;paint();if(S.sel)panel();return 0;}
+// the number of backward steps after which a node's gradient is complete: an op's once
+// its rule has run, a leaf's once every op reading it has (null: never)
+function doneAt(n){if(n.kind==='op')return n.step==null?null:n.step+1;
+ const t=n.outs.map(e=>N[e.t].step).filter(v=>v!=null);return t.length?Math.max(...t)+1:null;}
 function pause(){if(S.timer){clearInterval(S.timer);S.timer=null;}document.getElementById('b-play').textContent='play';}
 function play(){if(S.timer)return pause();if(S.step>=D.order.length)S.step=0;document.getElementById('b-play').textContent='pause';
  S.timer=setInterval(()=>{if(S.step>=D.order.length)pause();else step();},Math.max(40,6000/D.order.length));}
@@ -205,11 +238,16 @@ function panel(){const P=document.getElementById('panel'),id=S.sel;
  if(id.startsWith('g:')){const g=G[id.slice(2)],m=members(g.name);P.innerHTML=`<h2>${esc(g.name)}</h2><p>${esc(g.type)}: ${m.filter(n=>n.kind==='op').length} ops, ${m.length} nodes. <button data-unfold="${esc(g.name)}">unfold</button></p><h3>parameters</h3><table>${m.filter(n=>n.param).map(n=>`<tr><td>${link(n.id)}</td><td>|g| ${fmt(n.param.grad_norm)}</td></tr>`).join('')}</table><h3>ops</h3>${m.filter(n=>n.kind==='op').map(n=>link(n.id)).join(', ')}`;return;}
  const n=N[id];let s=`<h2 data-field="label">${esc(n.label)}</h2><table><tr><td>id</td><td>${esc(n.id)}</td></tr><tr><td>op</td><td data-field="op">${esc(n.op)}</td></tr><tr><td>module</td><td>${esc(n.group||'–')}</td></tr><tr><td>shape</td><td data-field="shape">(${n.shape.join(', ')})</td></tr><tr><td>dtype</td><td data-field="dtype">${esc(n.dtype)}</td></tr>`;
  s+=`<tr><td>backward</td><td>${n.step!=null?`step ${n.step+1} of ${D.order.length}`:(n.kind==='op'?'not run':'leaf: its gradient is summed into .grad')}</td></tr></table>`;
- if(n.math)s+=`<h3>rule</h3><code data-field="math">${esc(n.math)}</code>`;
- if(n.param)s+=`<h3>parameter</h3><table><tr><td>|grad|</td><td data-field="param-grad-norm" data-value="${n.param.grad_norm}">${fmt(n.param.grad_norm)}</td></tr><tr><td>|weight|</td><td>${fmt(n.param.weight_norm)}</td></tr><tr><td>${esc(D.meta.update_kind)}</td><td data-field="update-ratio" data-value="${n.param.ratio}">${fmt(n.param.ratio)}</td></tr></table>`;
- if(n.residual)s+=`<h3>residual addition</h3><table><tr><td>skip |g|</td><td data-field="skip">${fmt(n.residual.skip)}</td></tr><tr><td>branch |g|</td><td data-field="branch">${fmt(n.residual.branch)}</td></tr></table>`;
- s+=`<h3>value</h3>${stats(n.value,'value-norm')}<h3>gradient${n.kind==='op'?' dL/d(output)':' (.grad)'}</h3>${stats(n.grad,'grad-norm')}`;
- s+=`<h3>inputs</h3>${n.ins.map(e=>link(e.s)+` <small>|g| ${fmt(e.norm)}</small>`).join('<br>')||'–'}<h3>used by</h3>${n.outs.map(e=>link(e.t)).join('<br>')||'– (the root)'}`;
+ if(n.kind==='op')s+=`<h3>rule: forward</h3><code data-field="forward">${esc(n.forward||n.math||'(not stated)')}</code><h3>rule: backward</h3><code data-field="backward">${esc(n.backward||'(not stated)')}</code>`;
+ const pready=S.step===0||(doneAt(n)!=null&&S.step>=doneAt(n));
+ if(n.param)s+=`<h3>parameter</h3><table><tr><td>|grad|</td>${pready?`<td data-field="param-grad-norm" data-value="${n.param.grad_norm}">${fmt(n.param.grad_norm)}</td>`:'<td>not yet</td>'}</tr><tr><td>|weight|</td><td>${fmt(n.param.weight_norm)}</td></tr><tr><td>${esc(D.meta.update_kind)}</td><td data-field="update-ratio" data-value="${n.param.ratio}">${fmt(n.param.ratio)}</td></tr></table>`;
+ if(n.residual&&(S.step===0||(n.residual.at!=null&&S.step>=n.residual.at)))s+=`<h3>residual addition</h3><table><tr><td>skip |g|</td><td data-field="skip">${fmt(n.residual.skip)}</td></tr><tr><td>branch |g|</td><td data-field="branch">${fmt(n.residual.branch)}</td></tr></table>`;
+ const at=doneAt(n),ready=S.step===0||(at!=null&&S.step>=at);
+ s+=`<h3>value</h3>${stats(n.value,'value-norm')}<h3>gradient${n.kind==='op'?' dL/d(output)':' (.grad)'}</h3>`;
+ if(S.step===0)s+=`<p data-field="grad-when" data-when="final"><i>final: after the whole backward pass</i> (step it with ▶ to watch it arrive)</p>${stats(n.grad,'grad-norm')}`;
+ else if(!ready)s+=`<p data-field="grad-when" data-when="waiting">not yet: ${at==null?'the backward pass never reaches it':`complete after step ${at} of ${D.order.length}; now at step ${S.step}`}</p>`;
+ else s+=`<p data-field="grad-when" data-when="reached">complete since step ${at} (now at ${S.step})</p>${stats(n.grad,'grad-norm')}`;
+ s+=`<h3>inputs</h3>${n.ins.map(e=>link(e.s)+` <small>|g| ${ready?fmt(e.norm):'not yet'}</small>`).join('<br>')||'–'}<h3>used by</h3>${n.outs.map(e=>link(e.t)).join('<br>')||'– (the root)'}`;
  P.innerHTML=s;}
 function select(id,keepHash){if(id&&!N[id]&&!(id.startsWith('g:')&&G[id.slice(2)]))return false;
  if(id&&N[id]){let changed=false;anc(N[id].group).forEach(g=>{if(G[g].folded){G[g].folded=false;changed=true;}});if(changed)draw();}
@@ -218,7 +256,7 @@ function select(id,keepHash){if(id&&!N[id]&&!(id.startsWith('g:')&&G[id.slice(2)
 function selectedInfo(){const id=S.sel;if(!id)return null;const n=N[id]||{};const f=k=>{const el=document.querySelector(`#panel [data-field="${k}"]`);return el?el:null;};
  const g=f('grad-norm'),pg=f('param-grad-norm');return {id,label:n.label,op:n.op,math:n.math,shape:n.shape,dtype:n.dtype,
   gradNorm:g&&g.dataset.value!==''?parseFloat(g.dataset.value):null,gradNormText:g?g.textContent:null,
-  paramGradNorm:pg?parseFloat(pg.dataset.value):null,panelText:document.getElementById('panel').textContent};}
+  paramGradNorm:pg?parseFloat(pg.dataset.value):null,gradWhen:f('grad-when')?f('grad-when').dataset.when:null,forward:f('forward')?f('forward').textContent:null,backward:f('backward')?f('backward').textContent:null,panelText:document.getElementById('panel').textContent};}
 function fromHash(){const m=/node=([^&]+)/.exec(location.hash);if(m)select(decodeURIComponent(m[1]),true);}
 // ---- folding, search, zoom ------------------------------------------------------
 function fold(name,on){if(!G[name])return false;G[name].folded=on!==false;if(S.sel&&!S.sel.startsWith('g:')&&S.sel!==rep(S.sel))S.sel=null;draw();panel();return true;}
