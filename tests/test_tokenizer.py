@@ -174,6 +174,38 @@ def test_same_ids_as_tokenizers(trained, layout):
         assert tok.decode_bytes(ids) == s.encode("utf-8")
 
 
+def test_tokenizer_json_is_read_first_where_a_folder_has_both(trained, tmp_path):
+    reference, folder = trained
+    both = tmp_path / "both"
+    shutil.copytree(folder / "files", both)
+    shutil.copy(folder / "json" / "tokenizer.json", both)
+    write(both / "vocab.json", "not JSON")           # never read
+    assert BPETokenizer.from_pretrained(both).encode("Hello world's") == \
+        reference.encode("Hello world's").ids
+
+
+def test_round_trip_of_any_string(trained, cl100k):
+    """decode(encode(s)) == s for any str hypothesis draws (any code point but lone
+    surrogates, assigned or not, in any Unicode version), with special tokens or without."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+    _, folder = trained
+    encoding, path, pattern, special = cl100k
+    tokenizers = [BPETokenizer.from_pretrained(folder / "json"),
+                  BPETokenizer.from_tiktoken(path, pattern, special)]
+
+    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.given(st.text(), st.text(), st.booleans())
+    def check(left, right, with_special):
+        s = left + (EOT if with_special else "") + right
+        for tok in tokenizers:
+            ids = tok.encode(s, allowed_special="all")
+            assert tok.decode(ids) == s
+            assert tok.decode_bytes(ids) == s.encode("utf-8")
+            assert tok.decode(tok.encode(s, disallowed_special=())) == s
+    check()
+
+
 def test_long_pieces_merge_with_the_heap_as_in_the_loop(trained, monkeypatch):
     """merge_long (pieces over LONG_PIECE bytes) gives the reference's ids too: every
     piece through it, then its result beside the short loop's on random pieces."""
