@@ -1,7 +1,7 @@
 """BPETokenizer: GPT-2's byte-level BPE, read from Hugging Face's or tiktoken's files.
 
     from models import BPETokenizer
-    tok = BPETokenizer.from_pretrained("gpt2-folder")      # tokenizer.json, or vocab.json + merges.txt
+    tok = BPETokenizer.from_pretrained("gpt2")     # a folder: tokenizer.json or vocab.json + merges.txt
     ids = tok.encode("Hello world")                         # [15496, 995] with GPT-2's files
     tok.decode(ids)                                         # 'Hello world'
     tok.encode("<|endoftext|>", allowed_special="all")      # [50256]
@@ -43,6 +43,7 @@ class BPETokenizer:
     special_tokens: {text: id}, e.g. {"<|endoftext|>": 50256}
     whole_piece_first: a pre-token that is a token as a whole becomes that token unmerged
                     (tiktoken does, Hugging Face's `ignore_merges`); default: merges is None
+    source:         what errors name as the origin (the loaders pass the file's path)
     """
 
     def __init__(self, vocab, merges=None, pattern=GPT2_PATTERN, special_tokens=None, *,
@@ -51,7 +52,7 @@ class BPETokenizer:
         self._vocab = dict(vocab)
         self.special_tokens = dict(special_tokens or {})
         self._check_ids()
-        self.merges = None if merges is None else len(merges)
+        self._n_merges = None if merges is None else len(merges)
         if merges is None:
             self._rank = bpe.pair_rank_tiktoken(self._vocab)
         else:
@@ -97,6 +98,9 @@ class BPETokenizer:
         """{(a, b): rank}, each merge checked against the vocabulary."""
         ranks = {}
         for rank, pair in enumerate(merges):
+            if len(pair) != 2 or not all(isinstance(p, bytes) for p in pair):
+                raise ValueError(f"{self.source}: merge {rank} is {pair!r}; a merge is a "
+                                 f"pair of token bytes, (b'a', b'b')")
             a, b = pair
             for part in (a, b, a + b):
                 if part not in self._vocab:
@@ -109,7 +113,7 @@ class BPETokenizer:
         return ranks
 
     def __repr__(self):
-        merges = "rank file" if self.merges is None else f"{self.merges} merges"
+        merges = "rank file" if self._n_merges is None else f"{self._n_merges} merges"
         return (f"BPETokenizer(vocab_size={self.vocab_size}, {merges}, "
                 f"special_tokens={sorted(self.special_tokens)})")
 
@@ -341,7 +345,7 @@ def _vocab_of(table, path):
     return table
 
 
-def _merge_pairs(lines, path):
+def _merge_pairs(lines, path, label="merge"):
     """[(a, b)] token strings from merges.txt lines or tokenizer.json's model.merges (each
     "a b", or ["a", "b"] since tokenizers 0.20)."""
     pairs = []
@@ -349,7 +353,7 @@ def _merge_pairs(lines, path):
         pair = line.split(" ") if isinstance(line, str) else line
         if (not isinstance(pair, list) or len(pair) != 2
                 or not all(isinstance(p, str) and p for p in pair)):
-            raise ValueError(f"{path}: merge {number} is {line!r}; a merge is two tokens, "
+            raise ValueError(f"{path}: {label} {number} is {line!r}; a merge is two tokens, "
                              f"written 'a b' (or [\"a\", \"b\"] in tokenizer.json)")
         pairs.append(tuple(pair))
     return pairs
@@ -384,9 +388,10 @@ def _from_vocab_and_merges(cls, vocab_path, merges_path, added_path):
     except UnicodeDecodeError:
         raise ValueError(f"{merges_path}: not UTF-8 text; merges.txt has one merge a line, "
                          f"two tokens and a space: download it again") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1)
+    # split at "\n" only: str.splitlines would also split at U+0085, U+2028 and others
+    lines = [(n, line.rstrip("\r")) for n, line in enumerate(text.split("\n"), 1)
              if line.strip() and not line.startswith("#version")]
-    pairs = _merge_pairs(lines, merges_path)
+    pairs = _merge_pairs(lines, merges_path, "line")
     made = {a + b for a, b in pairs}
     special = {t: i for t, i in vocab.items()
                if t not in made and not (len(t) == 1 and t in bpe.BYTE_OF_CHAR)}
