@@ -17,7 +17,8 @@ from models.feedforward import FeedForward
 from models.block import TransformerBlock
 from models.gpt import GPT
 from models.encoder import Encoder, Decoder, EncoderDecoder
+from models.tokenizer import BPETokenizer
 
 __all__ = ["GPT", "GPTConfig", "MultiHeadAttention", "KVCache", "SinusoidalPositionalEncoding",
            "LearnedPositionalEmbedding", "RotaryEmbedding", "FeedForward", "TransformerBlock",
-           "Encoder", "Decoder", "EncoderDecoder"]
+           "Encoder", "Decoder", "EncoderDecoder", "BPETokenizer"]
