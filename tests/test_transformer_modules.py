@@ -228,6 +228,18 @@ def test_mha_float32(batch_first, need_weights):
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("dims", [2, 3])
+def test_mha_learned_float_mask_takes_its_gradient(dims, need_weights):
+    # a float attn_mask that requires grad (a learned bias) is an input like any other
+    gen = torch.Generator().manual_seed(9)
+    t, m = mha_pair(batch_first=True)
+    x = seq(L, E, True, gen=gen)
+    bias = rand(*((L, L) if dims == 2 else (B * NH, L, L)), gen=gen)
+    assert_same(t, m, dict(query=x, key=x, value=x, attn_mask=bias, need_weights=need_weights,
+                           key_padding_mask=float_mask(B, L, dtype=torch.float64, gen=gen)))
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
 def test_mha_dropout_zero_in_training_and_dropout_off_in_eval(need_weights):
     gen = torch.Generator().manual_seed(7)
     t, m = mha_pair(batch_first=True, dropout=0.0)
