@@ -89,7 +89,8 @@ NAMES = {
         LeakyReLU ELU SELU CELU Softplus Mish Hardtanh ReLU6 Hardsigmoid Hardswish
         LogSigmoid Softsign GLU Flatten Unflatten CrossEntropyLoss NLLLoss MSELoss L1Loss
         SmoothL1Loss HuberLoss BCELoss BCEWithLogitsLoss KLDivLoss MultiheadAttention
-        TransformerEncoderLayer TransformerDecoderLayer Transformer Conv1d Conv2d MaxPool2d
+        TransformerEncoderLayer TransformerDecoderLayer TransformerEncoder TransformerDecoder
+        Transformer Conv1d Conv2d MaxPool2d
         AvgPool2d LSTM GRU RNN
         init.normal_ init.uniform_ init.zeros_ init.ones_ init.constant_ init.xavier_uniform_
         init.xavier_normal_ init.kaiming_uniform_ init.kaiming_normal_ init.trunc_normal_

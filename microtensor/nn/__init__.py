@@ -18,7 +18,9 @@ from microtensor.nn import init
 from microtensor.nn import utils
 from microtensor.nn import parallel
 from microtensor.nn.module import Module, StateDictError
-from microtensor.nn.containers import Sequential, ModuleList, ModuleDict
+from microtensor.nn.containers import (
+    Sequential, ModuleList, ModuleDict, ParameterList, ParameterDict,
+)
 from microtensor.nn.layers import (
     Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU, Tanh, Identity,
 )
@@ -32,6 +34,11 @@ from microtensor.nn.losses import (
     BCEWithLogitsLoss, KLDivLoss,
 )
 from microtensor.nn.normalization import BatchNorm1d
+from microtensor.nn.multihead_attention import MultiheadAttention
+from microtensor.nn.transformer import (
+    Transformer, TransformerEncoder, TransformerDecoder, TransformerEncoderLayer,
+    TransformerDecoderLayer,
+)
 from microtensor import profiler as _profiler
 
 # F's ops are registry rows (scope "F"): the profiler times them and mt.compile records
@@ -50,4 +57,6 @@ __all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "Sta
            "Softplus", "Mish", "Hardtanh", "ReLU6", "Hardsigmoid", "Hardswish", "LogSigmoid",
            "Softsign", "Tanhshrink", "GLU", "Flatten", "Unflatten", "CrossEntropyLoss",
            "NLLLoss", "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "BCELoss",
-           "BCEWithLogitsLoss", "KLDivLoss"]
+           "BCEWithLogitsLoss", "KLDivLoss", "ParameterList", "ParameterDict",
+           "MultiheadAttention", "Transformer", "TransformerEncoder", "TransformerDecoder",
+           "TransformerEncoderLayer", "TransformerDecoderLayer"]
