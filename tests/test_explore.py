@@ -593,13 +593,15 @@ FUSED = ["LayerNormBackward", "RMSNormBackward", "SoftmaxBackward", "LogSoftmaxB
 
 
 def fused_rules():
-    """Every rule class (a backward node) defined in microtensor.nn: the fused ops."""
+    """Every rule class (a backward node) defined in the homes of F's ops (ops/layers.py,
+    activations.py, normalization.py, losses.py, attention.py, rope.py, ...): the fused ops."""
     import importlib
-    import pkgutil
     from microtensor.core._core import Node
     found = {}
-    for info in pkgutil.walk_packages(nn.__path__, "microtensor.nn."):
-        module = importlib.import_module(info.name)
+    homes = {row.module for row in mt.ops.registry() if row.scope == "F"}
+    assert "microtensor.ops.layers" in homes and "microtensor.ops.attention" in homes, homes
+    for module_name in sorted(homes):
+        module = importlib.import_module(module_name)
         for name, cls in vars(module).items():
             if isinstance(cls, type) and issubclass(cls, Node) and cls.__module__ == module.__name__:
                 found[name] = cls
