@@ -20,6 +20,7 @@ load reads only what it uses, when it uses it. Nothing is ever unpickled: a fold
 only `pytorch_model.bin` is refused with the command that converts it.
 """
 import contextlib
+import dataclasses
 import json
 import mmap
 import os
@@ -323,14 +324,17 @@ def _no_random_init():
                 setattr(nn.init, n, fn)
 
 
-def load_pretrained(cls, path_or_name, dtype=None):
+def load_pretrained(cls, path_or_name, dtype=None, overrides=None):
     """A `cls` (GPT) in eval mode with the checkpoint's weights (see the module docstring).
-    dtype: None keeps the checkpoint's float32/float64 (float16 becomes float32)."""
+    dtype: None keeps the checkpoint's float32/float64 (float16 becomes float32).
+    overrides: GPTConfig fields that do not touch the weights' shapes (the dropouts)."""
     want = _as_dtype(dtype)
     path = resolve_checkpoint(path_or_name)
     config_path, files, weight_map = _weight_files(path)
     hf = read_config(config_path)
     config = config_from_hf(hf, config_path)
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
 
     tensors, problems, sources = {}, [], {}
     for file in files:
