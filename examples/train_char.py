@@ -136,8 +136,9 @@ def build_parser():
     option("init_from", "fine-tune a Hugging Face GPT-2 checkpoint: a folder with "
            "config.json, model.safetensors and vocab.json + merges.txt, or a Hub name "
            "(gpt2); the text is read with its BPE, the model options are its own, the "
-           "defaults become " + ", ".join(f"--{k} {v}" for k, v in FINETUNE_DEFAULTS.items())
-           + ", and out_dir/hf/ receives the best model in the same format", str, io)
+           "defaults become fine-tuning's (" + ", ".join(f"{k}={v}" for k, v in
+                                                   FINETUNE_DEFAULTS.items())
+           + "), and out_dir/hf/ receives the best model in the same format", str, io)
     option("out_dir", "directory for checkpoints, metrics.csv and loss.png", str, io)
     io.add_argument("--resume", action="store_true",
                     help="continue the run in out_dir from ckpt_last.safetensors; settings "

@@ -15,9 +15,11 @@ matrices of every block (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) are tra
 on the way in and on the way out. The causal mask buffers (`attn.bias`,
 `attn.masked_bias`) older checkpoints carry are derived, not weights: skipped.
 
-Weights are memory-mapped (copy on write: training never writes to the file), so a
-load reads only what it uses, when it uses it. Nothing is ever unpickled: a folder with
-only `pytorch_model.bin` is refused with the command that converts it.
+The files are read through a memory map, each weight copied once from the page cache
+into the model's own array (transposed or cast on the way where needed, with no buffer
+of the whole file in between); no file stays mapped, so a checkpoint overwritten in
+place later cannot pull weights from under a model. Nothing is ever unpickled: a folder
+with only `pytorch_model.bin` is refused with the command that converts it.
 """
 import contextlib
 import dataclasses
@@ -254,8 +256,8 @@ def config_to_hf(config, dtype, base=None):
 # ---- reading the weights ---------------------------------------------------------------
 
 def _mapped_tensors(path):
-    """name -> numpy array over a copy-on-write memory map of the safetensors file at
-    `path`, after microtensor's own header check (serialization._parse_header)."""
+    """name -> read-only numpy array over a memory map of the safetensors file at `path`,
+    after microtensor's own header check (serialization._parse_header)."""
     _check_regular(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -270,14 +272,12 @@ def _mapped_tensors(path):
         if size == 8 + header_len:      # no tensor data: nothing to map
             return {name: np.zeros(info["shape"], _DTYPES[info["dtype"]])
                     for name, info in header.items()}
-        # ACCESS_COPY: the arrays are writable, and a write stays in this process
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     start = 8 + header_len
     arrays = {}
     for name, info in header.items():
         dtype, (begin, end) = _DTYPES[info["dtype"]], info["data_offsets"]
-        array = np.ndarray(info["shape"], dtype=dtype, buffer=data, offset=start + begin)
-        arrays[name] = array if array.flags.aligned else array.copy()
+        arrays[name] = np.ndarray(info["shape"], dtype=dtype, buffer=data, offset=start + begin)
     return arrays
 
 
@@ -389,7 +389,8 @@ def load_pretrained(cls, path_or_name, dtype=None, overrides=None):
         if CONV1D.fullmatch(key):
             array = array.T                    # (in, out) -> Linear's (out, in)
         target_dtype = want or (array.dtype if array.dtype in FLOAT_DTYPES else np.dtype(np.float32))
-        target._data = np.ascontiguousarray(array, dtype=target_dtype)
+        # a copy of its own, C-contiguous and aligned, whatever the file's layout
+        target._data = np.array(array, dtype=target_dtype, order="C", copy=True)
     model.hf_config = hf    # save_pretrained keeps the fields GPT does not read
     return model.eval()
 
