@@ -15,16 +15,16 @@ matrices of every block (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) are tra
 on the way in and on the way out. The causal mask buffers (`attn.bias`,
 `attn.masked_bias`) older checkpoints carry are derived, not weights: skipped.
 
-The files are read through a memory map, each weight copied once from the page cache
-into the model's own array (transposed or cast on the way where needed, with no buffer
-of the whole file in between); no file stays mapped, so a checkpoint overwritten in
-place later cannot pull weights from under a model. Nothing is ever unpickled: a folder
+The files are read with the safetensors package's reader, which checks the header and
+memory-maps the file: each weight is copied once out of the page cache (then transposed
+or cast where needed), with no buffer of the whole file in between; no file stays
+mapped, so a checkpoint overwritten in place later cannot pull weights from under a
+model. Nothing is ever unpickled: a folder
 with only `pytorch_model.bin` is refused with the command that converts it.
 """
 import contextlib
 import dataclasses
 import json
-import mmap
 import os
 import re
 import threading
@@ -32,8 +32,6 @@ import threading
 import numpy as np
 
 from microtensor import nn
-from microtensor.core._core import as_dtype
-from microtensor.serialization import _check_regular, _parse_header, _DTYPES
 
 from models.config import GPTConfig
 
@@ -255,30 +253,19 @@ def config_to_hf(config, dtype, base=None):
 
 # ---- reading the weights ---------------------------------------------------------------
 
-def _mapped_tensors(path):
-    """name -> read-only numpy array over a memory map of the safetensors file at `path`,
-    after microtensor's own header check (serialization._parse_header)."""
-    _check_regular(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            _parse_header(f, size, path)
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
-        f.seek(0)
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        if size == 8 + header_len:      # no tensor data: nothing to map
-            return {name: np.zeros(info["shape"], _DTYPES[info["dtype"]])
-                    for name, info in header.items()}
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    start = 8 + header_len
-    arrays = {}
-    for name, info in header.items():
-        dtype, (begin, end) = _DTYPES[info["dtype"]], info["data_offsets"]
-        arrays[name] = np.ndarray(info["shape"], dtype=dtype, buffer=data, offset=start + begin)
-    return arrays
+def _read_tensors(path):
+    """name -> numpy array for every tensor of the safetensors file at `path`, through
+    the safetensors package's reader (it checks the header and memory-maps the file:
+    each tensor is one copy out of the page cache, with no buffer of the whole file)."""
+    import safetensors
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is not a regular file")
+    try:
+        with safetensors.safe_open(path, framework="numpy") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:   # SafetensorError and friends: a damaged or foreign file
+        raise CheckpointError(f"{path} is not a valid safetensors file: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 def _canonical(name):
@@ -293,8 +280,8 @@ def _as_dtype(dtype):
     if dtype is None:
         return None
     try:
-        resolved = as_dtype(dtype)
-    except (TypeError, ValueError):
+        resolved = np.dtype(dtype)   # mt.float64, np.float64 and 'float64' alike
+    except TypeError:
         resolved = None
     if resolved not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32 or float64, got {dtype!r}")
@@ -340,7 +327,7 @@ def load_pretrained(cls, path_or_name, dtype=None, overrides=None):
     for file in files:
         if not os.path.exists(file):
             raise CheckpointError(f"{file} is missing: the index {INDEX_NAME} names it")
-        for name, array in _mapped_tensors(file).items():
+        for name, array in _read_tensors(file).items():
             if MASK_BUFFER.search(name):
                 continue                       # the causal mask, rebuilt by attention
             key = _canonical(name)
@@ -389,8 +376,8 @@ def load_pretrained(cls, path_or_name, dtype=None, overrides=None):
         if CONV1D.fullmatch(key):
             array = array.T                    # (in, out) -> Linear's (out, in)
         target_dtype = want or (array.dtype if array.dtype in FLOAT_DTYPES else np.dtype(np.float32))
-        # a copy of its own, C-contiguous and aligned, whatever the file's layout
-        target._data = np.array(array, dtype=target_dtype, order="C", copy=True)
+        # C-contiguous and of its own (the reader's arrays are copies already)
+        target._data = np.ascontiguousarray(array, dtype=target_dtype)
     model.hf_config = hf    # save_pretrained keeps the fields GPT does not read
     return model.eval()
 

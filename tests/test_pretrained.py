@@ -287,6 +287,15 @@ def test_weights_without_a_config_are_refused(tmp_path):
         GPT.from_pretrained(folder)
 
 
+def test_a_damaged_weights_file_is_an_error_naming_it(tmp_path):
+    folder = saved(hf_model(), tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointError, match="model.safetensors is not a valid safetensors"):
+        GPT.from_pretrained(folder)
+
+
 def test_a_missing_path_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         GPT.from_pretrained(str(tmp_path / "nowhere" / "x"))
