@@ -434,6 +434,8 @@ def train(argv, cleanup):
         except (CheckpointError, OSError) as e:
             fail(f"--init_from {run['init_from']}: {e}")
         config = model.config
+        # the run's record says what the model is (and --resume compares against it)
+        run.update({k: getattr(config, k) for k in PRETRAINED_KEYS}, dropout=config.dropout)
         if rank == 0:  # the tokenizer beside the weights: out_dir/hf is complete on its own
             chardata.copy_tokenizer(tokenizer.folder, hf_dir)
     elif run["init_from"]:   # resuming a fine-tune: the shape is in the checkpoint

@@ -405,6 +405,10 @@ def test_resume_continues_a_fine_tune_and_sample_reads_it(tmp_path):
     import csv
     rows = [list(csv.DictReader(open(os.path.join(d, "metrics.csv")))) for d in (straight, out)]
     assert [r["val_loss"] for r in rows[0]] == [r["val_loss"] for r in rows[1]]
+    # resuming compares a shape option with the pretrained model's own
+    bad = run_example("train_char.py", *common, "--max_iters", "6", "--resume",
+                      "--n_embd", "64")
+    assert bad.returncode == 2 and "n_embd=32" in bad.stderr, bad.stderr
     # the model's shape is the checkpoint's: a shape option is refused
     bad = run_example("train_char.py", "--init_from", str(tmp_path / "tiny"), *common,
                       "--out_dir", str(tmp_path / "x"), "--n_layer", "3")
