@@ -42,6 +42,16 @@ def minutes(seconds):
     return f"{round(seconds / 60)} minutes"
 
 
+def duration(seconds):
+    """A duration on a clock: 5.2 -> '5s', 65 -> '1m05s', 3725 -> '1h02m'."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 # -----------------------------------------------------------------------------
 # errors on one line
 

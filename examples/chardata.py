@@ -1,5 +1,6 @@
-"""Helpers shared by train_char.py and sample.py: the corpus, the character tokenizer,
-random batches, and checkpoints (safetensors via mt.save, settings as JSON metadata).
+"""Helpers shared by train_char.py and sample.py: the corpus, the character tokenizer (or a
+GPT-2 checkpoint's BPE), random batches, and checkpoints (safetensors via mt.save,
+settings as JSON metadata).
 
 Everything that can go wrong because of the user's input raises `CharDataError` with a
 one-line message; the scripts print it (`prog: error: ...`) and exit with status 2.
@@ -93,6 +94,56 @@ class CharTokenizer:
 
     def decode(self, ids):
         return "".join(self.chars[int(i)] for i in ids)
+
+
+# what a Hugging Face checkpoint folder holds for its tokenizer (copied beside a fine-tune)
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json")
+
+
+class BPETokenizerFiles:
+    """The BPE tokenizer of a GPT-2 checkpoint folder (models.BPETokenizer) with
+    CharTokenizer's interface: encode -> int64 array, decode, vocab_size."""
+
+    chars = None   # no character vocabulary to store in a checkpoint
+
+    def __init__(self, folder):
+        try:
+            from models import BPETokenizer
+        except ImportError:
+            raise CharDataError("this checkout has no models.BPETokenizer (models/tokenizer.py) "
+                                "to read the checkpoint's vocab.json and merges.txt") from None
+        if not any(os.path.exists(os.path.join(folder, n)) for n in TOKENIZER_FILES[:3]):
+            raise CharDataError(f"{folder} holds no tokenizer (vocab.json and merges.txt, or "
+                                "tokenizer.json)")
+        try:
+            self.bpe = BPETokenizer.from_pretrained(folder)
+        except (OSError, ValueError, KeyError) as e:
+            raise CharDataError(f"cannot read the tokenizer in {folder}: {e}") from None
+        self.folder = folder
+
+    @property
+    def vocab_size(self):
+        return self.bpe.vocab_size
+
+    def encode(self, text, what="text"):
+        return np.array(self.bpe.encode(text), dtype=np.int64)
+
+    def decode(self, ids):
+        return self.bpe.decode([int(i) for i in ids])
+
+
+def copy_tokenizer(src_folder, dst_folder):
+    """Copy the tokenizer files of a checkpoint folder (atomically each), so that a
+    fine-tuned model's folder is complete on its own."""
+    import shutil
+    os.makedirs(dst_folder, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(src_folder, name)
+        if os.path.exists(src):
+            tmp = os.path.join(dst_folder, f".{name}.{os.getpid()}.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, os.path.join(dst_folder, name))
 
 
 def train_val_split(ids, block_size, data_name):

@@ -4,6 +4,7 @@
     python examples/train_char.py --data input.txt --n_layer 4 --n_head 4 --n_embd 128
     python examples/train_char.py --resume            # continue out-char/ckpt_last.safetensors
     python examples/sample.py --prompt "The "         # generate from the newest checkpoint
+    python examples/train_char.py --init_from gpt2 --data input.txt   # fine-tune GPT-2
 
 Reads top to bottom like nanoGPT's train.py: defaults, data, model, optimizer, then one
 loop that evaluates, checkpoints and steps. Ctrl-C stops after the current step and
@@ -11,6 +12,12 @@ writes a checkpoint that --resume continues exactly. A loss that turns NaN or In
 the run (exit status 1) before it can overwrite a good checkpoint; one run at a time
 owns --out_dir (a lock file), and a directory holding an earlier run is refused unless
 --resume or --force says what to do with it.
+
+--init_from PATH fine-tunes a Hugging Face GPT-2 checkpoint instead (a folder with
+config.json, model.safetensors and its tokenizer, or a Hub name such as gpt2): the text
+is read with that checkpoint's BPE, the model is that checkpoint's, other defaults suit
+fine-tuning (FINETUNE_DEFAULTS), and out_dir/hf/ holds the best model in the same format,
+which GPT.from_pretrained, sample.py --init_from and transformers load.
 """
 import argparse
 import contextlib
@@ -74,11 +81,20 @@ DEFAULTS = dict(
     threads=0,
     sample_chars=500,        # length of the sample printed at the end (0 = none)
     grad_stats=False,        # at each evaluation, the gradient norm at each block's input
+    init_from=None,          # a Hugging Face GPT-2 checkpoint to fine-tune; None = a new model
 )
+
+# with --init_from, defaults that suit fine-tuning a pretrained model (nanoGPT's
+# finetune_shakespeare at a CPU's block size): a small learning rate, short runs
+FINETUNE_DEFAULTS = dict(block_size=64, batch_size=8, lr=3e-5, warmup_iters=0,
+                         max_iters=200, eval_interval=20, eval_iters=10, sample_chars=100)
 
 # options that fix the shape of the weights: --resume must not change them
 MODEL_SHAPE_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "bias", "norm", "pos",
-                    "mlp", "prenorm", "tie_weights", "d_ff")
+                    "mlp", "prenorm", "tie_weights", "d_ff", "init_from")
+# options that --init_from takes from the checkpoint's config.json instead
+PRETRAINED_KEYS = ("n_layer", "n_head", "n_embd", "bias", "norm", "pos", "mlp", "prenorm",
+                   "tie_weights", "d_ff")
 # options that describe this invocation, never taken from a checkpoint
 NOT_RESUMED_KEYS = ("out_dir", "resume", "threads", "force")
 # what a run writes in out_dir (--force removes an earlier run's copies first)
@@ -117,6 +133,12 @@ def build_parser():
     io = p.add_argument_group("data and output")
     option("data", "UTF-8 text file to train on; none = Python's documentation text "
            "shipped with CPython (pydoc_data.topics)", str, io)
+    option("init_from", "fine-tune a Hugging Face GPT-2 checkpoint: a folder with "
+           "config.json, model.safetensors and vocab.json + merges.txt, or a Hub name "
+           "(gpt2); the text is read with its BPE, the model options are its own, the "
+           "defaults become fine-tuning's (" + ", ".join(f"{k}={v}" for k, v in
+                                                   FINETUNE_DEFAULTS.items())
+           + "), and out_dir/hf/ receives the best model in the same format", str, io)
     option("out_dir", "directory for checkpoints, metrics.csv and loss.png", str, io)
     io.add_argument("--resume", action="store_true",
                     help="continue the run in out_dir from ckpt_last.safetensors; settings "
@@ -130,7 +152,8 @@ def build_parser():
            _cli.positive_int, io)
     option("eval_iters", "batches per split averaged for the train and val loss (>= 1)",
            _cli.positive_int, io)
-    option("sample_chars", "characters of text sampled at the end (0: no sample)",
+    option("sample_chars", "characters of text sampled at the end, BPE tokens with "
+           "--init_from (0: no sample)",
            _cli.nonnegative_int, io)
     flag("grad_stats", "at every evaluation, one extra forward and backward on a fixed "
          "training batch (weights and training untouched) records the gradient norm "
@@ -285,19 +308,28 @@ def train(argv, cleanup):
     try:
         if given.get("resume"):
             if not os.path.exists(last_path):
-                fail(f"--resume: no checkpoint at {last_path}" + resume_remedy(last_path))
+                if chardata.other_checkpoint(last_path):
+                    fail(f"--resume: no checkpoint at {last_path}" + resume_remedy(last_path))
+                fail(f"--resume: there is no checkpoint in {out_dir} (no {last_path}), so "
+                     f"there is nothing to resume: run without --resume to start a run there")
             try:
                 checkpoint = chardata.load_checkpoint(last_path)
             except chardata.DamagedCheckpoint as e:
                 fail(f"{e}" + resume_remedy(last_path))
             saved = checkpoint[2]
             for key in MODEL_SHAPE_KEYS:
-                if key in given and given[key] != saved["run"][key]:
+                if key in given and given[key] != saved["run"].get(key, DEFAULTS[key]):
                     fail(f"--{key} {given[key]} does not match the checkpoint's {key}="
-                         f"{saved['run'][key]} ({last_path}); drop --{key} to resume, or "
-                         f"use another --out_dir for a new model")
+                         f"{saved['run'].get(key, DEFAULTS[key])} ({last_path}); drop "
+                         f"--{key} to resume, or use another --out_dir for a new model")
             run.update({k: v for k, v in saved["run"].items()
                         if k in DEFAULTS and k not in NOT_RESUMED_KEYS})
+        elif given.get("init_from"):
+            shaped = [k for k in PRETRAINED_KEYS if k in given]
+            if shaped:
+                fail(f"--{shaped[0]}: with --init_from the model is the checkpoint's, as its "
+                     f"config.json says; drop --{shaped[0]}")
+            run.update(FINETUNE_DEFAULTS)
         run.update(given)
     except CharDataError as e:
         fail(str(e))
@@ -326,11 +358,24 @@ def train(argv, cleanup):
               file=sys.stderr)
 
     # -------------------------------------------------------------------------
-    # data: characters -> ids, 90% train / 10% val
+    # data: characters (or the pretrained checkpoint's BPE tokens) -> ids, 90% train / 10% val
+    hf_dir = os.path.join(out_dir, "hf")   # --init_from: the best model, Hugging Face's format
+    init_path = None
+    if run["init_from"] and checkpoint is None:
+        from models.pretrained import resolve_checkpoint
+        try:
+            init_path = resolve_checkpoint(run["init_from"])
+        except (OSError, TypeError) as e:
+            fail(f"--init_from: {e}")
+    unit = "token" if run["init_from"] else "character"
     try:
         text = chardata.load_corpus(run["data"])
         data_name = run["data"] or "the default corpus (pydoc_data)"
-        if checkpoint is not None:  # the vocabulary is the checkpoint's
+        if run["init_from"]:   # the checkpoint's BPE (a resumed run's copy in out_dir/hf)
+            tokenizer = chardata.BPETokenizerFiles(
+                hf_dir if checkpoint is not None else
+                init_path if os.path.isdir(init_path) else os.path.dirname(init_path))
+        elif checkpoint is not None:  # the vocabulary is the checkpoint's
             tokenizer = chardata.CharTokenizer(checkpoint[2]["vocab"])
         else:
             tokenizer = chardata.CharTokenizer.from_text(text)
@@ -360,6 +405,9 @@ def train(argv, cleanup):
         for name in OUTPUT_NAMES:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out_dir, name))
+        if os.path.isdir(hf_dir):
+            import shutil
+            shutil.rmtree(hf_dir)
     splits = {"train": train_data, "val": val_data}
     batch_rng = np.random.default_rng(run["seed"])  # the training batches
 
@@ -376,11 +424,35 @@ def train(argv, cleanup):
                          pos=run["pos"], mlp=run["mlp"], prenorm=run["prenorm"],
                          tie_weights=run["tie_weights"], d_ff=run["d_ff"])
     mt.manual_seed(run["seed"])
-    try:
-        config = GPTConfig(**model_options)
+    if init_path is not None:
+        # the pretrained model; --dropout, when given, replaces its config's three rates
+        from models.pretrained import load_pretrained, CheckpointError
+        p = given.get("dropout")
+        overrides = {} if p is None else dict(dropout=p, attn_dropout=p, embd_dropout=p)
+        try:
+            model = load_pretrained(GPT, init_path, dtype=mt.float32, overrides=overrides)
+        except (CheckpointError, OSError) as e:
+            fail(f"--init_from {run['init_from']}: {e}")
+        config = model.config
+        # the run's record says what the model is (and --resume compares against it)
+        run.update({k: getattr(config, k) for k in PRETRAINED_KEYS}, dropout=config.dropout)
+        if rank == 0:  # the tokenizer beside the weights: out_dir/hf is complete on its own
+            chardata.copy_tokenizer(tokenizer.folder, hf_dir)
+    elif run["init_from"]:   # resuming a fine-tune: the shape is in the checkpoint
+        config = GPTConfig(**checkpoint[2]["config"])
         model = GPT(config)
-    except (ValueError, TypeError) as e:
-        fail(f"invalid model settings: {e}")
+    else:
+        try:
+            config = GPTConfig(**model_options)
+            model = GPT(config)
+        except (ValueError, TypeError) as e:
+            fail(f"invalid model settings: {e}")
+    if run["block_size"] > config.block_size:
+        fail(f"--block_size {run['block_size']} is longer than the model's "
+             f"{config.block_size} positions")
+    if tokenizer.vocab_size > config.vocab_size:
+        fail(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+             f"{config.vocab_size}")
 
     # weight decay on matrices and embeddings, none on biases and norm gains (nanoGPT)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -441,9 +513,11 @@ def train(argv, cleanup):
     tokens_per_iter = run["batch_size"] * run["block_size"] * run["grad_accum"] * world
     n_params = model.num_parameters()
     print(f"{data_name}: {len(text):,} characters, vocabulary {tokenizer.vocab_size}, "
-          f"{len(train_data):,} train / {len(val_data):,} val")
-    print(f"model: {n_params:,} parameters ({run['n_layer']} layers, {run['n_head']} heads, "
-          f"n_embd {run['n_embd']}, {run['norm']}, pos {run['pos']}, mlp {run['mlp']}); "
+          f"{len(train_data):,} train / {len(val_data):,} val" + (" tokens" if unit == "token" else ""))
+    print(f"model: {n_params:,} parameters "
+          + (f"from {run['init_from']} " if run["init_from"] else "")
+          + f"({config.n_layer} layers, {config.n_head} heads, n_embd {config.n_embd}, "
+          f"{config.norm}, pos {config.pos}, mlp {config.mlp}); "
           f"{tokens_per_iter:,} tokens per step; "
           + (f"resuming at iteration {iter_num}" if checkpoint else f"{run['max_iters']} steps"))
     if checkpoint is not None and iter_num >= run["max_iters"]:
@@ -550,8 +624,9 @@ def train(argv, cleanup):
         ax.plot(its, [r[1] for r in rows], marker=".", label="train")
         ax.plot(its, [r[2] for r in rows], marker=".", label="val")
         ax.set_xlabel("iteration")
-        ax.set_ylabel("loss (nats per character)")
-        ax.set_title(f"{os.path.basename(data_name)}: {n_params:,}-parameter char GPT")
+        ax.set_ylabel(f"loss (nats per {unit})")
+        ax.set_title(f"{os.path.basename(data_name)}: {n_params:,}-parameter "
+                     + (f"GPT from {run['init_from']}" if run["init_from"] else "char GPT"))
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -602,6 +677,8 @@ def train(argv, cleanup):
             data_sha256=chardata.text_fingerprint(text))
         try:
             chardata.save_checkpoint(path, model, optimizer, info)
+            if path == best_path and run["init_from"]:
+                model.save_pretrained(hf_dir)   # what transformers and sample.py load
         except OSError as e:
             fail(f"cannot write checkpoint {path}: {e.strerror or e}", _cli.EXIT_ERROR)
         if path == last_path:
@@ -629,6 +706,7 @@ def train(argv, cleanup):
     progress = tqdm(total=run["max_iters"], initial=iter_num, unit="it", dynamic_ncols=True,
                     disable=None)  # None: no bar when stderr is not a terminal (logs)
     train_seconds, train_tokens = 0.0, 0   # since the last evaluation, for tokens/s
+    run_start, start_iter = time.perf_counter(), iter_num   # this invocation's, for the ETA
     smoothed_tps = None
     try:
         while True:
@@ -660,9 +738,13 @@ def train(argv, cleanup):
                     grad_rows.append((iter_num, *block_grad_norms()))
                     _cli.replace_with(grad_path, write_grad_stats)
                 log_metrics((iter_num, losses["train"], losses["val"], lr, tps))
+                elapsed, done = time.perf_counter() - run_start, iter_num - start_iter
+                eta = (f", ETA {_cli.duration(elapsed / done * (run['max_iters'] - iter_num))}"
+                       if done > 0 and iter_num < run["max_iters"] else "")
                 progress.write(f"iter {iter_num}: train loss {losses['train']:.4f}, "
                                f"val loss {losses['val']:.4f}, lr {lr:.2e}"
-                               + (f", {tps:,.0f} tok/s" if tps > 0 else ""))  # once measured
+                               + (f", {tps:,.0f} tok/s" if tps > 0 else "")  # once measured
+                               + f", {_cli.duration(elapsed)} elapsed{eta}")
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
                 save(last_path)
@@ -715,13 +797,14 @@ def train(argv, cleanup):
     # a sample from the final model
     if run["sample_chars"] > 0 and rank == 0:  # ddp: one sample
         mt.manual_seed(run["seed"])
-        start = "\n" if "\n" in tokenizer.stoi else tokenizer.chars[0]
-        idx = mt.from_numpy(tokenizer.encode(start)[None, :])   # (1, 1)
+        start = "\n" if tokenizer.chars is None or "\n" in tokenizer.stoi else tokenizer.chars[0]
+        start_ids = tokenizer.encode(start)
+        idx = mt.from_numpy(start_ids[None, :])   # (1, 1), or a few BPE tokens
         model.eval()
         with mt.no_grad():
             out = model.generate(idx, run["sample_chars"], temperature=0.8, top_k=40)
-        print(f"--- sample ({run['sample_chars']} characters, temperature 0.8, top_k 40) ---")
-        print(tokenizer.decode(out.numpy()[0, 1:]))
+        print(f"--- sample ({run['sample_chars']} {unit}s, temperature 0.8, top_k 40) ---")
+        print(tokenizer.decode(out.numpy()[0, len(start_ids):]))
     return 0
 
 

@@ -7,7 +7,9 @@
 
 Files, smallest first: config (GPTConfig), positional (learned, sinusoidal, rotary),
 attention (MultiHeadAttention, KVCache), feedforward (FeedForward), block
-(TransformerBlock), gpt (GPT), encoder (Encoder, Decoder, EncoderDecoder).
+(TransformerBlock), gpt (GPT), encoder (Encoder, Decoder, EncoderDecoder), pretrained
+(GPT.from_pretrained / save_pretrained: Hugging Face GPT-2 checkpoints), tokenizer
+(BPETokenizer: byte-level BPE, GPT-2's and tiktoken's files).
 """
 from models.config import GPTConfig
 from models.positional import (LearnedPositionalEmbedding, SinusoidalPositionalEncoding,
@@ -17,8 +19,9 @@ from models.feedforward import FeedForward
 from models.block import TransformerBlock
 from models.gpt import GPT
 from models.encoder import Encoder, Decoder, EncoderDecoder
+from models.pretrained import CheckpointError
 from models.tokenizer import BPETokenizer
 
 __all__ = ["GPT", "GPTConfig", "MultiHeadAttention", "KVCache", "SinusoidalPositionalEncoding",
            "LearnedPositionalEmbedding", "RotaryEmbedding", "FeedForward", "TransformerBlock",
-           "Encoder", "Decoder", "EncoderDecoder", "BPETokenizer"]
+           "Encoder", "Decoder", "EncoderDecoder", "CheckpointError", "BPETokenizer"]

@@ -49,14 +49,17 @@ class MultiHeadAttention(nn.Module):
     k and v from `context`, using the same c_attn weight split by rows.
     `mask` is boolean, True where a query may attend, broadcastable to (B, nh, T, S)
     (a padding mask over keys is (B, 1, 1, S)).
+    `dropout` drops from the output (and from the attention weights unless
+    `attn_dropout` gives those a rate of their own, as GPT-2's attn_pdrop does).
     """
 
-    def __init__(self, d_model, n_head, causal=False, bias=True, dropout=0.0, rope=False):
+    def __init__(self, d_model, n_head, causal=False, bias=True, dropout=0.0, rope=False,
+                 attn_dropout=None):
         super().__init__()
         check_heads(d_model, n_head, "d_model")
         self.d_model, self.n_head, self.head_size = d_model, n_head, d_model // n_head
         self.causal = causal
-        self.dropout = dropout
+        self.dropout = dropout if attn_dropout is None else attn_dropout  # on the weights
         # q, k, v projections for all heads fused into one matmul
         self.c_attn = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.c_proj = nn.Linear(d_model, d_model, bias=bias)

@@ -6,11 +6,13 @@ from models.config import check_choice, NORMS, MLPS
 from models.feedforward import FeedForward
 
 
-def make_norm(kind, d_model, bias=True):
+def make_norm(kind, d_model, bias=True, eps=None):
+    """LayerNorm or RMSNorm of width d_model; eps=None keeps the layer's own default."""
     check_choice("norm", kind, NORMS)
+    options = {} if eps is None else dict(eps=eps)
     if kind == "layernorm":
-        return nn.LayerNorm(d_model, bias=bias)
-    return nn.RMSNorm(d_model)
+        return nn.LayerNorm(d_model, bias=bias, **options)
+    return nn.RMSNorm(d_model, **options)
 
 
 class TransformerBlock(nn.Module):
@@ -20,24 +22,26 @@ class TransformerBlock(nn.Module):
     With cross_attention=True (a decoder layer) a third sublayer attends to `context`
     between the two: x = x + cross_attn(ln_cross(x), context) (or its post-norm form).
     residual=False drops the `x +` of every sublayer, to study what the skips buy.
+    attn_dropout (None = dropout) is the dropout on the attention weights; norm_eps
+    (None = the norm's default) the norms' eps.
     """
 
     def __init__(self, d_model, n_head, d_ff=None, causal=True, norm="layernorm",
                  prenorm=True, residual=True, bias=True, dropout=0.0, activation="gelu",
-                 rope=False, cross_attention=False):
+                 rope=False, cross_attention=False, attn_dropout=None, norm_eps=None):
         super().__init__()
         check_choice("activation", activation, MLPS)
         self.prenorm, self.residual = prenorm, residual
-        self.ln_1 = make_norm(norm, d_model, bias)
+        self.ln_1 = make_norm(norm, d_model, bias, norm_eps)
         self.attn = MultiHeadAttention(d_model, n_head, causal=causal, bias=bias,
-                                       dropout=dropout, rope=rope)
+                                       dropout=dropout, rope=rope, attn_dropout=attn_dropout)
         if cross_attention:
-            self.ln_cross = make_norm(norm, d_model, bias)
+            self.ln_cross = make_norm(norm, d_model, bias, norm_eps)
             self.cross_attn = MultiHeadAttention(d_model, n_head, causal=False, bias=bias,
-                                                 dropout=dropout)
+                                                 dropout=dropout, attn_dropout=attn_dropout)
         else:
             self.ln_cross = self.cross_attn = None
-        self.ln_2 = make_norm(norm, d_model, bias)
+        self.ln_2 = make_norm(norm, d_model, bias, norm_eps)
         self.mlp = FeedForward(d_model, 4 * d_model if d_ff is None else d_ff, activation,
                                bias=bias, dropout=dropout)
 

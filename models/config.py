@@ -6,7 +6,7 @@ from microtensor import ShapeError
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
-MLPS = ("gelu", "relu", "swiglu")
+MLPS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
 
 def check_choice(name, value, allowed):
@@ -37,10 +37,15 @@ class GPTConfig:
     norm: str = "layernorm"     # 'layernorm' | 'rmsnorm'
     prenorm: bool = True        # GPT-2 normalises before each sublayer; False = 2017 post-norm
     pos: str = "learned"        # 'learned' | 'sinusoidal' | 'rope' | 'none'
-    mlp: str = "gelu"           # 'gelu' | 'relu' | 'swiglu'
+    mlp: str = "gelu"           # 'gelu' | 'gelu_tanh' (GPT-2's own) | 'relu' | 'swiglu'
     tie_weights: bool = True    # lm_head.weight is transformer.wte.weight
     residual: bool = True       # False drops the skip connections (to study why they matter)
     d_ff: Optional[int] = None  # MLP hidden width; None = 4 * n_embd (swiglu: 8/3 * n_embd)
+    # what a Hugging Face GPT-2 config can set apart (models/pretrained.py reads them);
+    # None keeps the one above or the layer's own default
+    norm_eps: Optional[float] = None      # the norms' eps; None = LayerNorm's 1e-5, RMSNorm's own
+    attn_dropout: Optional[float] = None  # on the attention weights; None = dropout
+    embd_dropout: Optional[float] = None  # on the embeddings' sum; None = dropout
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_embd"):
@@ -51,8 +56,12 @@ class GPTConfig:
         check_choice("norm", self.norm, NORMS)
         check_choice("pos", self.pos, POSITIONS)
         check_choice("mlp", self.mlp, MLPS)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "attn_dropout", "embd_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if self.norm_eps is not None and not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
             raise ShapeError(f"pos='rope' rotates pairs of dims, so the head size must be even; "
                              f"n_embd={self.n_embd} / n_head={self.n_head} = "

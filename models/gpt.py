@@ -31,16 +31,17 @@ class GPT(nn.Module):
             layers["wpe"] = LearnedPositionalEmbedding(cfg.block_size, cfg.n_embd)
         elif cfg.pos == "sinusoidal":
             layers["wpe"] = SinusoidalPositionalEncoding(cfg.n_embd, max_len=cfg.block_size)
-        layers["drop"] = nn.Dropout(cfg.dropout)
+        layers["drop"] = nn.Dropout(cfg.dropout if cfg.embd_dropout is None else cfg.embd_dropout)
         layers["h"] = nn.ModuleList([
             TransformerBlock(cfg.n_embd, cfg.n_head, d_ff=cfg.mlp_hidden, causal=True,
                              norm=cfg.norm, prenorm=cfg.prenorm, residual=cfg.residual,
                              bias=cfg.bias, dropout=cfg.dropout, activation=cfg.mlp,
-                             rope=cfg.pos == "rope")
+                             rope=cfg.pos == "rope", attn_dropout=cfg.attn_dropout,
+                             norm_eps=cfg.norm_eps)
             for _ in range(cfg.n_layer)])
         # post-norm blocks end in a norm already; a final one only pre-norm stacks need
         if cfg.prenorm:
-            layers["ln_f"] = make_norm(cfg.norm, cfg.n_embd, cfg.bias)
+            layers["ln_f"] = make_norm(cfg.norm, cfg.n_embd, cfg.bias, cfg.norm_eps)
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
@@ -63,6 +64,21 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=residual_std)
+
+    @classmethod
+    def from_pretrained(cls, path_or_name, *, dtype=None):
+        """A GPT in eval mode with the weights of a Hugging Face GPT-2 checkpoint: a folder
+        with config.json and model.safetensors (or shards and their index), a .safetensors
+        file beside a config.json, or a Hub name ('gpt2') found through huggingface_hub's
+        cache. dtype: float32 or float64; None keeps the checkpoint's (models/pretrained.py)."""
+        from models.pretrained import load_pretrained
+        return load_pretrained(cls, path_or_name, dtype=dtype)
+
+    def save_pretrained(self, folder):
+        """Write config.json and model.safetensors in Hugging Face's GPT-2 format, which
+        transformers' GPT2LMHeadModel.from_pretrained(folder) and from_pretrained load."""
+        from models.pretrained import save_pretrained
+        return save_pretrained(self, folder)
 
     def num_parameters(self):
         """Every unique parameter counted once (a tied matrix once, position tables included)."""
@@ -122,34 +138,45 @@ class GPT(nn.Module):
         return logits, loss
 
     @mt.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, *,
+                 generator=None, seed=None, use_cache=True):
         """Continue each row of idx (B, T) by max_new_tokens sampled tokens -> (B, T + max_new_tokens).
 
-        Keeps a KV cache so each step runs only the newest token. temperature=0 means
-        greedy (argmax); top_k keeps the k likeliest tokens; top_p keeps the smallest set
-        whose probability reaches p. A context longer than block_size is cropped to its
-        last block_size tokens (position tables end there), recomputed without the cache.
-        Randomness comes from microtensor's generator, so mt.manual_seed fixes the output.
+        Keeps a KV cache so each step runs only the newest token (use_cache=False runs
+        the whole window at every step, the same tokens, slower). temperature=0 means
+        greedy (argmax, the lowest id on a tie); top_k keeps the k likeliest tokens; top_p
+        keeps the smallest set whose probability reaches p. A context longer than
+        block_size is cropped to its last block_size tokens (position tables end there),
+        recomputed without the cache. Randomness comes from `generator` (an mt.Generator),
+        or from a generator of its own seeded with `seed`, or else from microtensor's
+        default generator, so mt.manual_seed fixes the output.
         """
         check_sampling(temperature, top_k, top_p)
         if not isinstance(idx, mt.Tensor) or idx.ndim != 2:
             raise TypeError("idx must be an int64 tensor (B, T) of token ids")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if seed is not None:
+            if generator is not None:
+                raise ValueError("give generator= or seed=, not both")
+            generator = mt.Generator().manual_seed(seed)
         block_size = self.config.block_size
         self.check_tokens(idx[:, -block_size:])
-        caches = [KVCache() for _ in range(self.config.n_layer)]
+        caches = [KVCache() for _ in range(self.config.n_layer)] if use_cache else None
         tokens = idx.numpy()
         step_input = idx[:, -block_size:]  # the whole (cropped) prompt first
         for _ in range(max_new_tokens):
-            if caches[0].length + step_input.shape[1] > block_size:
+            if caches is None:
+                step_input = mt.from_numpy(tokens[:, -block_size:])
+            elif caches[0].length + step_input.shape[1] > block_size:
                 # the window slides: every position changes, so recompute it from scratch
                 for cache in caches:
                     cache.reset()
                 step_input = mt.from_numpy(tokens[:, -block_size:])
             x = self.hidden_states(step_input, caches)
             logits = self.lm_head(x[:, -1, :]).numpy()  # (B, vocab): only the last position
-            next_token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
+            sampling = (temperature, top_k, top_p) + (() if generator is None else (generator,))
+            next_token = sample_next(logits, *sampling)  # (B, 1)
             tokens = np.concatenate([tokens, next_token], axis=1)
             step_input = mt.from_numpy(next_token)
         return mt.from_numpy(tokens)
@@ -195,12 +222,12 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
     return probs
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None):
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token id per row of logits (B, vocab), as an int64 array (B, 1)."""
     if temperature == 0:
         return logits.argmax(axis=-1)[:, None].astype(np.int64)
     probs = sampling_probs(logits, temperature, top_k, top_p)
     cdf = np.cumsum(probs, axis=-1)  # (B, vocab)
-    u = mt.rand(probs.shape[0], 1, dtype=mt.float64).numpy() * cdf[:, -1:]
+    u = mt.rand(probs.shape[0], 1, dtype=mt.float64, generator=generator).numpy() * cdf[:, -1:]
     choice = (cdf <= u).sum(axis=-1)  # first index whose cdf exceeds u
     return np.minimum(choice, probs.shape[-1] - 1)[:, None].astype(np.int64)

@@ -7,6 +7,7 @@ import csv
 import io
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -491,3 +492,32 @@ def test_both_checkpoints_damaged_says_start_again(corpus, tmp_path):
     expect_error(sample, ["--out_dir", out_dir], "no other checkpoint", "--force")
     small_run(corpus, out_dir, "--force")                # and --force does start again
 
+
+
+def test_evaluation_lines_carry_elapsed_time_and_an_eta(trained):
+    _, stdout = trained
+    evals = [ln for ln in stdout.splitlines() if ln.startswith("iter ")]
+    assert len(evals) == 4, stdout
+    assert all(re.search(r", \d+(h\d\dm|m\d\ds|s) elapsed", ln) for ln in evals), evals
+    # an estimate once an iteration has been timed, none at the end
+    assert ["ETA" in ln for ln in evals] == [False, True, True, False], evals
+
+
+def test_resume_without_a_checkpoint_says_to_run_without_resume(tmp_path):
+    expect_error(train_char, ["--resume", "--out_dir", str(tmp_path)],
+                 f"no checkpoint in {tmp_path}", "run without --resume")
+    code, _, stderr = run_main(train_char, ["--resume", "--out_dir", str(tmp_path)])
+    assert "--force" not in stderr
+
+
+def test_sample_says_which_checkpoint_it_read_and_how_fast(trained):
+    out_dir, _ = trained
+    code, stdout, stderr = run_main(sample, ["--out_dir", out_dir, "--threads", "1",
+                                             "--max_new_tokens", "10"])
+    assert code == 0, stderr
+    newest = chardata.newest_checkpoint(out_dir)
+    assert f"read {newest} (iteration 300)" in stderr
+    assert re.search(r"10 tokens in [\d.]+ s, [\d,.]+ tokens/s", stderr), stderr
+    assert "read " not in stdout and "tokens/s" not in stdout
+    expect_error(sample, ["--init_from", os.path.join(out_dir, "nowhere")], "--init_from",
+                 "no checkpoint at")
