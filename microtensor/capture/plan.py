@@ -32,6 +32,7 @@ class Plan:
         self.result = result          # template of the function's return value
         self.guards = [g for g in recorder.guards.values()]
         self.names = names            # the Python names the function reads (names.py)
+        self.aliases = None           # aliasing.Beside: the arguments' aliasing (compiled.py)
         self.externals = len(recorder.externals)
         self.final_grad_mode = getattr(recorder, "final_grad_mode", None)
         self.replays = 0
@@ -76,12 +77,15 @@ class Plan:
         self._rules_fused = True
         return out
 
-    def holds(self):
-        """Whether the guards still hold: each Module's state (guards.py: its scalar
-        attributes, training included, and the identity of its parameters, buffers,
-        submodules and hooks), and the Python names the function reads (scalars by
-        type and value, everything else by identity)."""
-        return _guards.hold(self.guards) and names_hold(self.names)
+    def holds(self, inputs):
+        """Whether the guards still hold for a call with these tensor arguments: each
+        Module's state (guards.py: its scalar attributes, training included, and the
+        identity of its parameters, buffers, tensor attributes, submodules and hooks),
+        the Python names the function reads (scalars by type and value, everything else
+        by identity), and which arguments are, or overlap, the other tensors the
+        function reaches (aliasing.py)."""
+        return (_guards.hold(self.guards) and names_hold(self.names)
+                and (self.aliases is None or self.aliases.holds(inputs)))
 
     def replay(self, args, kwargs):
         with self.lock:
