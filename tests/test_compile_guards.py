@@ -220,6 +220,33 @@ def test_two_recordings_that_leave_different_grad_modes_make_no_plan():
         mt.set_grad_enabled(True)
 
 
+@pytest.mark.parametrize("where", ["first op", "middle op", "last op"])
+def test_two_recordings_that_differ_in_one_calls_grad_mode_make_no_plan(where):
+    """The two recordings run the same ops on the same arguments and leave the same grad
+    mode; only one op's mode differs (a flag in a list, which no guard reads). Trusting
+    the second recording would replay its mode for every later call."""
+    mode = [True]
+    position = ["first op", "middle op", "last op"].index(where)
+
+    def f(x):
+        y = x
+        for i in range(3):
+            with mt.set_grad_enabled(mode[0] if i == position else True):
+                y = y * 2.0 + 1.0 if i == 1 else y * 3.0
+        return y.sum()
+    g = mt.compile(f)
+    x = mt.ones(3, requires_grad=True)
+    for i in range(6):
+        mode[0] = i % 2 == 0                       # the two recordings differ
+        got, want = g(x), f(x)
+        assert mt.is_grad_enabled()
+        assert got.requires_grad == want.requires_grad, (where, i)
+        assert (got.grad_fn is None) == (want.grad_fn is None), (where, i)
+        assert _same(got.detach(), want.detach())
+    assert g.calls["replayed"] == 0
+    assert any("grad mode" in r for r in g.eager_reasons.values()), g.eager_reasons
+
+
 # -- modules: hooks and submodules ---------------------------------------------------------
 class _Block(mt.nn.Module):
     def __init__(self, k):

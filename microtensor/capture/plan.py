@@ -39,7 +39,7 @@ class Plan:
         self.fused = []               # [(label, [labels of the calls it stands for])]
         self.dropped = []             # (label, why) of the calls a rewrite removed (fuse.py)
         self._relist = None           # the backward call whose rules the next replay lists
-        self._rules_fused = False     # whether its listed rules are the fused plan's
+        self._rules_fused = False     # whether its listed rules are the rewritten plan's
         self._laid_out()
         self.memory = Memory() if arena else None
         self.lock = threading.Lock()  # one replay at a time: another thread waits
@@ -54,8 +54,9 @@ class Plan:
         self.records, self.result, self.fused, self.dropped = _fuse.fuse(
             self.records, alive, self.result)
         self._laid_out()
-        if self.fused:
-            # the backward pass runs other rules now: the first replay lists them
+        if self.fused or self.dropped:
+            # the backward pass may run other rules now (a fused call has its own; a
+            # dropped call may have had one): the first replay lists the rules it runs
             self._relist = next((i for i, rec in enumerate(self.records)
                                  if rec.label in _BACKWARD_LABELS), None)
 
@@ -159,8 +160,8 @@ class Plan:
                                  "input came with other strides than when recorded)")
             nodes = [n for n in rec.info if isinstance(n, str)]
             if nodes:
-                when = ("" if self._rules_fused or not self.fused
-                        else " (as recorded, before fusion)")
+                when = ("" if self._rules_fused or not (self.fused or self.dropped)
+                        else " (as recorded, before the rewrites)")
                 lines.append(f"        runs {len(nodes)} backward rules{when}: {_counted(nodes)}")
         if self.dropped:
             labels = [label for label, _ in self.dropped]
