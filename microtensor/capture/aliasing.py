@@ -13,7 +13,8 @@ function read the other name. So the aliasing of a call is part of what a plan h
   objects that are views of one storage: `x` and `x[1:]`, `x` and `x.T`);
 - **between the arguments and the rest** (a guard of each plan, `Beside`): which
   arguments are, or overlap, a tensor the function reaches otherwise: the names it reads
-  (and the items of a tuple, list or dict held there), the tensors of every module it
+  and every global of its module (and the items of a tuple, list or dict held there:
+  a helper defined beside the function reads them too), the tensors of every module it
   reaches (parameters, buffers, tensor attributes and the items of a tuple, list or dict
   attribute), and the tensors its records hold as they are (externals).
 
@@ -87,12 +88,16 @@ def tensors_in(value, out):
     return out
 
 
-def reachable(names, modules, externals):
+def reachable(fn, names, modules, externals):
     """The tensors a call reaches other than through its arguments: those the names it
-    reads hold (names.py), those of the modules it reaches (guards.py: each module's
-    __dict__ and its parameters and buffers), and the plan's externals. Each once."""
+    reads hold (names.py), every global of its module (a helper defined beside it reads
+    them too), those of the modules it reaches (guards.py: each module's __dict__ and
+    its parameters and buffers), and the plan's externals. Each once."""
     found = []
     for _, _, _, value in names:
+        tensors_in(value, found)
+    fn = getattr(fn, "__func__", fn)
+    for value in list(getattr(fn, "__globals__", {}).values()):
         tensors_in(value, found)
     for instance in modules:
         for name, value in instance.__dict__.items():

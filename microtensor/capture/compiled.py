@@ -147,7 +147,7 @@ class CompiledFunction:
             plan = Plan(recorder, inputs, result_template, arena=self.arena, names=names)
             # which arguments are (or overlap) a tensor the function reaches otherwise
             plan.aliases = _aliasing.Beside(_aliasing.reachable(
-                names, [g[0] for g in plan.guards], recorder.externals.values()),
+                self.fn, names, [g[0] for g in plan.guards], recorder.externals.values()),
                 [t for _, t in found])
             first = self._pending.pop(key, None)
             if first is None or first.aliases.signature != plan.aliases.signature:
