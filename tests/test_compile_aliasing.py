@@ -208,3 +208,21 @@ def test_recordings_that_alias_otherwise_start_the_pair_again():
     aliased, distinct = (lambda: ((G,), {})), (lambda: ((X,), {}))
     _check(g, f, [aliased, distinct, distinct, distinct, aliased, aliased, aliased, distinct])
     assert g.calls == {"recorded": 5, "replayed": 3, "eager": 0}, g.calls
+
+
+BATCH = None        # a script's global batch, rebound by its loop
+
+
+def test_a_global_batch_rebound_by_a_script_loop_still_replays():
+    """`x = next batch` at a script's top level, then `step(x)`: the argument is a global
+    of the function's module, a new object at every call. The function does not read
+    the global itself, so no guard holds the old object: the plan replays."""
+    global BATCH
+    w = mt.ones(3)
+    f = lambda a: (a * w).sum()                           # noqa: E731
+    g = mt.compile(f)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        BATCH = mt.tensor(rng.standard_normal(3).astype(np.float32))
+        assert g(BATCH).item() == f(BATCH).item()
+    assert g.calls == {"recorded": 2, "replayed": 3, "eager": 0}

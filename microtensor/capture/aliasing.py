@@ -13,8 +13,7 @@ function read the other name. So the aliasing of a call is part of what a plan h
   objects that are views of one storage: `x` and `x[1:]`, `x` and `x.T`);
 - **between the arguments and the rest** (a guard of each plan, `Beside`): which
   arguments are, or overlap, a tensor the function reaches otherwise: the names it reads
-  and every global of its module (and the items of a tuple, list or dict held there:
-  a helper defined beside the function reads them too), the tensors of every module it
+  (and the items of a tuple, list or dict held there), the tensors of every module it
   reaches (parameters, buffers, tensor attributes and the items of a tuple, list or dict
   attribute), and the tensors its records hold as they are (externals).
 
@@ -22,6 +21,8 @@ A call whose aliasing differs from a plan's records another plan (or brings back
 matches): a replay never reads one argument where the function read another object.
 Two views of one storage that touch no common element (`x[:2]`, `x[2:]`) do not overlap.
 """
+import operator
+
 import numpy as np
 
 from microtensor.core._core import Tensor
@@ -88,16 +89,14 @@ def tensors_in(value, out):
     return out
 
 
-def reachable(fn, names, modules, externals):
+def reachable(names, modules, externals):
     """The tensors a call reaches other than through its arguments: those the names it
-    reads hold (names.py), every global of its module (a helper defined beside it reads
-    them too), those of the modules it reaches (guards.py: each module's __dict__ and
-    its parameters and buffers), and the plan's externals. Each once."""
+    reads hold (names.py), those of the modules it reaches (guards.py: each module's
+    __dict__ and its parameters and buffers), and the plan's externals. Each once.
+    (Not every global of the function's module: a script's loop rebinds its globals
+    (`x, y = get_batch()`), and a guard on those objects would fail at every call.)"""
     found = []
     for _, _, _, value in names:
-        tensors_in(value, found)
-    fn = getattr(fn, "__func__", fn)
-    for value in list(getattr(fn, "__globals__", {}).values()):
         tensors_in(value, found)
     for instance in modules:
         for name, value in instance.__dict__.items():
@@ -121,10 +120,8 @@ class Beside:
 
     def _spans(self):
         arrays = [t._data for t in self.tensors]
-        if self._arrays is None or any(a is not b for a, b in zip(arrays, self._arrays)):
-            spans = [_span(a) or (0, 0) for a in arrays]      # an empty array meets nothing
-            self._low = np.array([s[0] for s in spans], dtype=np.int64)
-            self._high = np.array([s[1] for s in spans], dtype=np.int64)
+        if self._arrays is None or not all(map(operator.is_, arrays, self._arrays)):
+            self._spanned = [_span(a) or (0, 0) for a in arrays]   # empty: meets nothing
             self._arrays = arrays
         return self._arrays
 
@@ -141,9 +138,10 @@ class Beside:
             span = _span(t._data)
             if span is None:
                 continue
-            meets = np.flatnonzero((self._low < span[1]) & (self._high > span[0]))
-            for k in meets:
-                if self.tensors[k] is not t and _share(t._data, arrays[k]):
+            low, high = span
+            for k, (lo, hi) in enumerate(self._spanned):
+                if (lo < high and hi > low and self.tensors[k] is not t
+                        and _share(t._data, arrays[k])):
                     found.append((i, id(self.tensors[k]), "overlaps"))
         return tuple(found)
 

@@ -9,10 +9,12 @@
 
 A plan is kept per key: the shapes, dtypes and requires_grad of the tensor arguments,
 the other arguments' types and values (2, 2.0 and True are three keys; so are 0.0 and
--0.0: guards.py), and the grad mode. Its guards (the state of every Module the call
-reaches or calls, with its submodules: scalar attributes, the identity of parameters,
-buffers, submodules and hooks; the Python names the function reads: names.py) must
-still hold, else the call records a new plan. The first two calls of a key run eagerly
+-0.0: guards.py), the grad mode, and which tensor arguments are one object or overlap
+in memory (aliasing.py). Its guards (the state of every Module the call reaches or
+calls, with its submodules: scalar attributes, the identity of parameters, buffers,
+tensor attributes, submodules and hooks; the Python names the function reads:
+names.py; which arguments are, or overlap, a tensor the function reaches otherwise:
+aliasing.py) must still hold, else the call records a new plan. The first two calls of a key run eagerly
 and are both recorded; the plan is trusted only when the two recordings agree (the
 same ops on the same arguments, in the same grad modes, the same grad mode left, the
 same values of the names the function reads, the same module states), so a value baked in on the first call
@@ -147,7 +149,7 @@ class CompiledFunction:
             plan = Plan(recorder, inputs, result_template, arena=self.arena, names=names)
             # which arguments are (or overlap) a tensor the function reaches otherwise
             plan.aliases = _aliasing.Beside(_aliasing.reachable(
-                self.fn, names, [g[0] for g in plan.guards], recorder.externals.values()),
+                names, [g[0] for g in plan.guards], recorder.externals.values()),
                 [t for _, t in found])
             first = self._pending.pop(key, None)
             if first is None or first.aliases.signature != plan.aliases.signature:
