@@ -306,3 +306,140 @@ def test_attention_on_views_gradients_against_central_differences(out_as, causal
     assert type(f(x).grad_fn).__name__ == "ViewsAttentionBackward"
     assert mt.autograd.gradcheck(f, (x,))           # float64, central differences
     assert mt.autograd.gradgradcheck(f, (x,))
+
+
+# ---- grad modes: a group is one grad mode, as eager made its views ---------------------------
+
+@pytest.mark.parametrize("no_grad_part", [None, "split", "heads", "q only", "out"])
+@pytest.mark.parametrize("tail", [True, False])
+def test_views_made_in_another_grad_mode_are_not_fused(no_grad_part, tail):
+    """q, k and v (or the view calls after the attention) made under no_grad, the attention
+    with grad on: eager's output then requires no grad (or its views none), and a fused
+    call, made in the attention's mode, would give one that does. The rewrite must leave
+    such a group alone; with every part in one mode it fuses (the control)."""
+    B, T, nh, hs = 2, 5, 2, 3
+    C = nh * hs
+
+    def heads(t):
+        return t.view(B, T, nh, hs).transpose(1, 2)
+
+    def f(x):
+        with mt.set_grad_enabled(no_grad_part != "split"):
+            parts = x.split(C, dim=2)
+        with mt.set_grad_enabled(no_grad_part != "heads"):
+            q, k, v = (heads(t) for t in parts)
+        if no_grad_part == "q only":
+            with mt.no_grad():
+                q = heads(parts[0])
+        y = F.scaled_dot_product_attention(q, k, v)
+        if tail:
+            with mt.set_grad_enabled(no_grad_part != "out"):
+                y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return y
+    g = mt.compile(f)
+    rng = np.random.default_rng(3)
+    for call in range(4):
+        x = mt.tensor(rng.standard_normal((B, T, 3 * C)), requires_grad=True)
+        x2 = mt.tensor(x.numpy().copy(), requires_grad=True)
+        got, want = g(x), f(x2)
+        assert got.requires_grad == want.requires_grad, (no_grad_part, call)
+        assert (got.grad_fn is None) == (want.grad_fn is None), (no_grad_part, call)
+        assert np.array_equal(got.detach().numpy(), want.detach().numpy())
+        if want.requires_grad:
+            u = rng.standard_normal(want.shape)
+            (got * mt.tensor(u)).sum().backward()
+            (want * mt.tensor(u)).sum().backward()
+            assert np.array_equal(x.grad.numpy(), x2.grad.numpy())
+    assert g.calls["replayed"] == 2
+    fused = [rec for rec in g.plan.records if rec.fused]
+    if no_grad_part is None:
+        assert len(fused) == 1 and len(fused[0].fused) == (11 if tail else 8), str(g.plan)
+    elif no_grad_part != "out":
+        assert not fused, str(g.plan)            # the attention's inputs: another mode
+    else:
+        # the tail's views were made without grad: the attention alone may be fused, its
+        # tail not (eager's output has no graph)
+        assert all("contiguous" not in rec.fused for rec in fused), str(g.plan)
+
+
+# ---- the plan's listing of backward rules is the rewritten plan's --------------------------
+
+def _rules_run(fn, *args):
+    """Counter of the backward rules one call of fn runs."""
+    import collections
+    from microtensor.core import _core
+    rules = []
+
+    def row(node, grad):
+        rules.append(node.name())
+        return node.backward(grad)
+    previous = _core.set_backward_profiler(row)
+    try:
+        fn(*args)
+    finally:
+        _core.set_backward_profiler(previous)
+    return collections.Counter(rules)
+
+
+def _rules_listed(plan):
+    import collections
+    backward = [rec for rec in plan.records if rec.label in ("t.backward", "run_backward")]
+    assert len(backward) == 1
+    return collections.Counter(i for i in backward[0].info if isinstance(i, str))
+
+
+@pytest.mark.parametrize("attention", [True, False])
+@pytest.mark.parametrize("dropout", [True, False])
+def test_the_listed_backward_rules_are_those_a_replay_runs(attention, dropout):
+    """Every mix of rewrites (a fused attention, a dropped dropout, both, none): once the
+    plan has been replayed, the rules it lists for its backward call are the rules its
+    replays run; before that, a listing that differs says it is the recording's."""
+    B, T, nh, hs = 2, 3, 2, 2
+    C = nh * hs
+    W = mt.randn(C, 3 * C, requires_grad=True)
+
+    def f(x):
+        if attention:
+            q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in x.split(C, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous().view(B, T, C)
+        else:
+            y = (x[..., :C] * 2.0).tanh()
+        if dropout:
+            y = F.dropout(y, 0.0, training=True)          # returns y: the rewrite drops it
+        loss = (y @ W).square().sum()
+        loss.backward()
+        return loss
+    g = mt.compile(f)
+    x = mt.randn(B, T, 3 * C, requires_grad=True)
+    g(x), g(x)                                            # recorded twice: a trusted plan
+    plan = g.plan
+    assert bool(plan.fused) == attention and bool(plan.dropped) == dropout, str(plan)
+    g(x)                                                  # the first replay
+    listed = _rules_listed(plan)
+    actual = _rules_run(g, x)                             # the rules a replay runs
+    assert g.calls["replayed"] == 2
+    assert listed == actual, str(plan)
+    assert "as recorded" not in str(plan)
+    if attention:
+        assert actual["ViewsAttentionBackward"] == 1 and "PermuteBackward" not in actual
+    assert _rules_run(g, x) == actual == _rules_listed(plan)      # and on later replays
+
+
+@pytest.mark.parametrize("dropout", [True, False])
+def test_a_rewritten_plan_says_its_listing_is_the_recordings_until_it_is_replayed(dropout):
+    B, T, nh, hs = 2, 3, 2, 2
+    C = nh * hs
+
+    def f(x):
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in x.split(C, dim=2))
+        loss = F.dropout(F.scaled_dot_product_attention(q, k, v), 0.0 if dropout else 0.5)
+        loss = loss.square().sum()
+        loss.backward()
+        return loss
+    g = mt.compile(f)
+    x = mt.randn(B, T, 3 * C, requires_grad=True)
+    g(x), g(x)
+    assert "(as recorded, before the rewrites)" in str(g.plan)
+    g(x)
+    assert "(as recorded, before the rewrites)" not in str(g.plan)
+    assert "ViewsAttentionBackward" in str(g.plan)

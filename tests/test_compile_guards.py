@@ -220,6 +220,33 @@ def test_two_recordings_that_leave_different_grad_modes_make_no_plan():
         mt.set_grad_enabled(True)
 
 
+@pytest.mark.parametrize("where", ["first op", "middle op", "last op"])
+def test_two_recordings_that_differ_in_one_calls_grad_mode_make_no_plan(where):
+    """The two recordings run the same ops on the same arguments and leave the same grad
+    mode; only one op's mode differs (a flag in a list, which no guard reads). Trusting
+    the second recording would replay its mode for every later call."""
+    mode = [True]
+    position = ["first op", "middle op", "last op"].index(where)
+
+    def f(x):
+        y = x
+        for i in range(3):
+            with mt.set_grad_enabled(mode[0] if i == position else True):
+                y = y * 2.0 + 1.0 if i == 1 else y * 3.0
+        return y.sum()
+    g = mt.compile(f)
+    x = mt.ones(3, requires_grad=True)
+    for i in range(6):
+        mode[0] = i % 2 == 0                       # the two recordings differ
+        got, want = g(x), f(x)
+        assert mt.is_grad_enabled()
+        assert got.requires_grad == want.requires_grad, (where, i)
+        assert (got.grad_fn is None) == (want.grad_fn is None), (where, i)
+        assert _same(got.detach(), want.detach())
+    assert g.calls["replayed"] == 0
+    assert any("grad mode" in r for r in g.eager_reasons.values()), g.eager_reasons
+
+
 # -- modules: hooks and submodules ---------------------------------------------------------
 class _Block(mt.nn.Module):
     def __init__(self, k):
@@ -286,6 +313,56 @@ def test_a_change_to_the_module_tree_records_a_new_plan(change, compiled):
         handle.remove()
         replayed = g.calls["replayed"]
         assert _same(g(x), ref(x)) and g.calls["replayed"] == replayed + 1
+
+
+class _WithTensors(mt.nn.Module):
+    """Plain tensor attributes, neither parameters nor buffers, read by forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = mt.nn.Linear(4, 4)
+        self.scale = mt.tensor(5.0)
+        self.lin.offset = mt.zeros(4)          # on a submodule
+        self.extra = None                      # None, or a tensor to add
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale + self.lin.offset
+        return y if self.extra is None else y + self.extra
+
+
+TENSOR_CHANGES = {
+    "attribute replaced": lambda m: setattr(m, "scale", mt.tensor(7.0)),
+    "same value, another tensor": lambda m: setattr(m, "scale", mt.tensor(5.0)),
+    "another dtype": lambda m: setattr(m, "scale", mt.tensor(5.0, dtype=mt.float64)),
+    "requires grad": lambda m: setattr(m, "scale", mt.tensor(5.0, requires_grad=True)),
+    "submodule's attribute": lambda m: setattr(m.lin, "offset", mt.ones(4)),
+    "None to a tensor": lambda m: setattr(m, "extra", mt.full((4,), 3.0)),
+    "a view of it": lambda m: setattr(m, "scale", m.scale.view(1)[0]),
+}
+
+
+@pytest.mark.parametrize("change", sorted(TENSOR_CHANGES))
+@pytest.mark.parametrize("compiled", ["model", "function"])
+def test_a_module_tensor_attribute_is_guarded(change, compiled):
+    """m.scale = mt.tensor(...) between calls: the replay must not read the old one."""
+    mt.manual_seed(0)
+    model = _WithTensors()
+    g = mt.compile(model) if compiled == "model" else mt.compile(lambda x: model(x) * 1)
+    ref = (lambda x: model(x)) if compiled == "model" else (lambda x: model(x) * 1)
+    x = mt.randn(3, 4)
+    for _ in range(3):
+        assert _same(g(x).detach(), ref(x).detach())
+    assert g.calls["replayed"] == 1
+    TENSOR_CHANGES[change](model)
+    for i in range(4):
+        got, want = g(x), ref(x)
+        assert _same(got.detach(), want.detach()), (change, i)
+        assert got.requires_grad == want.requires_grad
+    assert g.calls["replayed"] >= 2 and len(g.plans) == 2, (g.calls, len(g.plans))
+    # the values of the tensor a plan holds are read at each replay: no new plan
+    with mt.no_grad():
+        model.lin.offset.add_(1.0)
+    assert _same(g(x).detach(), ref(x).detach()) and len(g.plans) == 2
 
 
 def test_a_hook_registered_and_removed_inside_the_function_replays():

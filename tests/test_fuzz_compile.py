@@ -10,7 +10,12 @@ an op called through a reference taken before mt.compile wrapped the ops, an op 
 by another thread the function starts and joins (its result used), and a scalar that
 Python calls equal but eager does not treat alike (0.0 and -0.0, 2 and 2.0, 1 and True,
 two NaNs, inf and -inf), given as an argument or read from a global: calls 0 and 1 get
-the first of the pair, the later calls alternate.
+the first of the pair, the later calls alternate. And aliasing: a list of two (3, 3)
+tensors given as an argument, read beside a global tensor, where the two are drawn as
+one object, overlapping views of one storage (`x[:3]`, `x[1:]`; `x`, `x.T`), views that
+share a storage but no element, the global itself or a view of it, or two tensors of
+their own (calls 0 and 1 get one drawing, the later calls alternate with another); and
+a tensor attribute of the program's Linear (`lin.scale`) that is set anew between calls.
 It is built twice, on the same seed: once eager, once through mt.compile (with its inner
 function compiled too). Both are called six times on the same inputs, from the same RNG
 state (the first two calls get the same inputs, the later ones new ones: a value baked
@@ -45,7 +50,8 @@ IN_PLACE = ["exp_", "relu_", "tanh_", "neg_", "sigmoid_", "abs_", "zero_", ("mul
 DRAWS = ["randn", "rand_like", "dropout", "normal_", "init.uniform_", "randperm", "bernoulli"]
 READS = ["item", "float", "bool", "equal", "str", "mask shape", "tolist"]
 KINDS = ["op", "op", "op", "unary", "in_place", "draw", "read", "const_branch", "counter",
-         "nested", "step", "grad_read", "captured", "thread", "scalar_arg", "scalar_global"]
+         "nested", "step", "grad_read", "captured", "thread", "scalar_arg", "scalar_global",
+         "alias", "alias", "module_attr"]
 REFUSING = {"read", "counter", "captured", "thread"}          # the documented refusals
 SCALAR_USES = ["mul", "div", "clamp_max", "full", "pow", "add_zero"]
 # pairs Python calls equal (or that share a hash) which eager tells apart
@@ -53,6 +59,19 @@ SCALAR_PAIRS = [(0.0, -0.0), (-0.0, 0.0), (2, 2.0), (2.0, 2), (1, True), (True, 
                 (float("nan"), float("nan")), (math.inf, -math.inf), (0, -0.0)]
 VARYING = {"scalar_arg", "scalar_global"}           # a new key or guard value per call
 FUZZ_SCALAR = 0.0         # the global the "scalar_global" statements read
+# how an "alias" statement reads its pair (and the global FUZZ_ALIAS beside it)
+ALIAS_USES = ["sum", "in_place", "last", "matmul"]
+# how the pair of (3, 3) tensors is drawn: each with the class of aliasing it gives (the
+# same class, the same plan; FUZZ_ALIAS is the global the function reads)
+ALIAS_DRAWS = {"own": "apart", "apart": "apart", "same": "same", "overlap": "overlap",
+               "transpose": "overlap", "global": "global", "global view": "global view"}
+ALIAS_NAMES = sorted(ALIAS_DRAWS)
+FUZZ_ALIAS = mt.zeros(3, 3)        # reset to ALIAS_VALUES before each run
+ALIAS_VALUES = np.arange(9, dtype=np.float32).reshape(3, 3) / 4 - 1
+# lin.scale, call by call: the index of the tensor object (the same index, the same
+# object) and its value; calls 0 and 1 share one, as a plan's two recordings must
+SCALES = [(0, 1.5), (0, 1.5), (1, -2.0), (1, -2.0), (0, 1.5), (2, 0.25)]
+SCALE_REPLAYS = 1          # call 4 (the first object again); calls 2, 3 and 5 record
 # table ops whose output shape is read from the values (the door refuses them)
 DOOR_OPS = {"index_mask"}
 _TANH = mt.tanh         # a reference taken before any recording wrapped the ops
@@ -67,7 +86,7 @@ def make_program(seed):
         kind = KINDS[rng.integers(len(KINDS))]
         table = {"op": OP_NAMES, "unary": UNARY, "in_place": IN_PLACE, "draw": DRAWS,
                  "read": READS, "scalar_arg": SCALAR_USES,
-                 "scalar_global": SCALAR_USES}.get(kind, [None])
+                 "scalar_global": SCALAR_USES, "alias": ALIAS_USES}.get(kind, [None])
         program.append((kind, table[rng.integers(len(table))]))
     return program
 
@@ -88,6 +107,44 @@ def _inputs(program, call):
         test_ops.rng = saved
 
 
+def _alias_draws(seed):
+    """The two ways a program's pair is drawn: calls 0 and 1 the first, then alternating."""
+    rng = np.random.default_rng(seed + 7)
+    return [ALIAS_NAMES[i] for i in rng.integers(len(ALIAS_NAMES), size=2)]
+
+
+def _alias_pair(draw, call):
+    """A list of two (3, 3) float32 tensors, aliased as `draw` says."""
+    rng = np.random.default_rng(100 + max(call, 1))
+    base = mt.from_numpy(rng.standard_normal((6, 3)).astype(np.float32))
+    if draw == "own":
+        return [mt.from_numpy(rng.standard_normal((3, 3)).astype(np.float32)), base[3:] * 1]
+    if draw == "apart":
+        return [base[:3], base[3:]]                  # one storage, no element in common
+    if draw == "same":
+        return [base[:3], ] * 2
+    if draw == "overlap":
+        return [base[:3], base[1:4]]
+    if draw == "transpose":
+        return [base[:3], base[:3].T]
+    if draw == "global":
+        return [FUZZ_ALIAS, base[:3]]
+    return [base[:3], FUZZ_ALIAS.view(9).view(3, 3)]   # a view of the global: overlaps it
+
+
+def _use_alias(use, pair, acc, last, g):
+    """(acc, last) after reading the pair beside the global g (FUZZ_ALIAS)."""
+    a, b = pair
+    if use == "sum":
+        return acc + (a * 3.0 + b * 5.0 + g * 7.0).sum(), last
+    if use == "in_place":
+        a.mul_(2.0)                                  # b sees it where they share memory
+        return acc + (b * 5.0 + g).sum(), last
+    if use == "last":
+        return acc, (a + g) * b - a
+    return acc, a @ b + g.T
+
+
 def build(program, compiled, seed):
     """The program as a function, with its own Linear and optimizer."""
     mt.manual_seed(seed)
@@ -101,7 +158,7 @@ def build(program, compiled, seed):
         return (t * 2).tanh().sum()
     inner_fn = mt.compile(inner) if compiled else inner
 
-    def program_fn(op_args, feature, scalar=0.0):
+    def program_fn(op_args, feature, scalar=0.0, pair=None):
         nonlocal count
         acc = mt.zeros(())
         last = feature
@@ -146,6 +203,12 @@ def build(program, compiled, seed):
                 last = _use_scalar(detail, last, scalar)
             elif kind == "scalar_global":
                 last = _use_scalar(detail, last, FUZZ_SCALAR)
+            elif kind == "alias":
+                # the global is read here, where the plan's guards see it (a global read
+                # only by a helper is not: docs/COMPILE.md, "cannot see")
+                acc, last = _use_alias(detail, pair, acc, last, FUZZ_ALIAS)
+            elif kind == "module_attr":
+                last = last * lin.scale
             elif kind == "grad_read":
                 lin.zero_grad()
                 lin(feature).sum().backward()
@@ -234,22 +297,33 @@ def _read(kind, acc, last):
 def run_program(seed):
     """Run one program both ways; a failure message, or None."""
     program = make_program(seed)
+    kinds = {k for k, _ in program}
+    draws = _alias_draws(seed)
     results = {}
     for compiled in (False, True):
         fn, lin = build(program, compiled, seed)
         mt.manual_seed(seed + 1)
+        with mt.no_grad():
+            FUZZ_ALIAS.copy_(mt.from_numpy(ALIAS_VALUES))      # the same object, reset
+        scales = {}
         outs = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for call in range(CALLS):
                 op_args, feature = _inputs(program, call)
-                kinds = {k for k, _ in program}
                 # a scalar varies only in a program that uses it (else it would key anew)
                 globals()["FUZZ_SCALAR"] = (_scalar(seed + 1, call)
                                             if "scalar_global" in kinds else 0.0)
                 scalar = _scalar(seed, call) if "scalar_arg" in kinds else 0.0
+                draw = draws[0] if call < 2 or call % 2 else draws[1]
+                pair = _alias_pair(draw, call) if "alias" in kinds else None
+                if "module_attr" in kinds:
+                    index, value = SCALES[call]
+                    if index not in scales:
+                        scales[index] = mt.tensor(value)
+                    lin.scale = scales[index]
                 try:
-                    acc, last = fn(op_args, feature, scalar)
+                    acc, last = fn(op_args, feature, scalar, pair)
                     outs.append((acc.numpy().copy(), last.numpy().copy()))
                 except Exception as e:                          # noqa: BLE001
                     outs.append(("error", type(e).__name__))
@@ -267,10 +341,20 @@ def run_program(seed):
         return None                                      # both raised alike: nothing to replay
     if refuses and fn.calls["replayed"]:
         return f"program {seed} {program}: replayed though it reads a value: {fn.eager_reasons}"
-    if any(kind in VARYING for kind, _ in program):
+    if any(kind in VARYING for kind, _ in program) or refuses:
         return None                                      # keys vary per call: no count
-    if not refuses and fn.calls["replayed"] != CALLS - 2:
-        return f"program {seed} {program}: not replayed: {fn.eager_reasons}"
+    # the calls that replay: all but the two recorded, less those whose aliasing or
+    # lin.scale no plan was recorded for (each such call records; two in a row trust)
+    expected = CALLS - 2
+    if "alias" in kinds and "module_attr" in kinds:
+        return None                   # both vary: their recordings interleave, no count
+    if "alias" in kinds and ALIAS_DRAWS[draws[0]] != ALIAS_DRAWS[draws[1]]:
+        expected = 2                  # calls 2 and 4 record the other aliasing's plan
+    if "module_attr" in kinds:
+        expected = SCALE_REPLAYS
+    if fn.calls["replayed"] != expected:
+        return (f"program {seed} {program} {draws}: replayed {fn.calls['replayed']} calls, "
+                f"not {expected}: {fn.eager_reasons}")
     return None
 
 
@@ -307,9 +391,12 @@ def test_the_fuzzer_finds_a_plan_that_bakes_a_value(monkeypatch):
     assert failures
 
 
-def _seeds_with(kinds, n, start=0):
+def _seeds_with(kinds, n, start=0, replaying=False):
+    """The first n seeds whose program has one of kinds (and, with replaying, no
+    documented refusal: a program that runs eagerly cannot show a wrong plan)."""
     return [s for s in range(start, start + 2000)
-            if any(k in kinds for k, _ in make_program(s))][:n]
+            if any(k in kinds for k, _ in make_program(s))
+            and not (replaying and any(k in REFUSING for k, _ in make_program(s)))][:n]
 
 
 def test_the_fuzzer_finds_a_plan_that_bakes_another_threads_result(monkeypatch):
@@ -327,6 +414,31 @@ def test_the_fuzzer_finds_a_key_that_ignores_a_zeros_sign_or_a_type(monkeypatch)
     the programs that use such a scalar replay the other one's plan."""
     from microtensor.capture import guards
     monkeypatch.setattr(guards, "scalar_id", lambda v: v)
-    seeds = _seeds_with(VARYING, 60)
+    seeds = _seeds_with(VARYING, 60, replaying=True)
     failures = [m for m in (run_program(s) for s in seeds) if m]
     assert len(failures) >= 2, failures
+
+
+def test_the_fuzzer_finds_a_key_that_ignores_aliasing(monkeypatch):
+    """With the arguments' aliasing out of the key and the guards (a plan recorded with
+    one object twice, or with the global as an argument, replayed for two objects), the
+    programs that draw aliased arguments replay the other drawing's plan."""
+    from microtensor.capture import aliasing
+    monkeypatch.setattr(aliasing, "among", lambda tensors: ())
+    monkeypatch.setattr(aliasing.Beside, "holds", lambda self, inputs: True)
+    seeds = [s for s in _seeds_with({"alias"}, 60, replaying=True)
+             if ALIAS_DRAWS[_alias_draws(s)[0]] != ALIAS_DRAWS[_alias_draws(s)[1]]]
+    failures = [m for m in (run_program(s) for s in seeds) if m]
+    assert len(failures) >= len(seeds) // 3, failures
+
+
+def test_the_fuzzer_finds_an_unguarded_module_tensor_attribute(monkeypatch):
+    """With a module's tensor attributes out of its guarded state, the programs that
+    read lin.scale replay the old tensor after it is set anew."""
+    from microtensor.capture import guards
+    state = guards.state
+    monkeypatch.setattr(guards, "state", lambda m: tuple(
+        p for p in state(m) if not (len(p) == 3 and p[1] == "tensor")))
+    seeds = _seeds_with({"module_attr"}, 20, replaying=True)
+    failures = [m for m in (run_program(s) for s in seeds) if m]
+    assert len(failures) >= len(seeds) // 2, failures

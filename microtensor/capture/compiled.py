@@ -9,10 +9,12 @@
 
 A plan is kept per key: the shapes, dtypes and requires_grad of the tensor arguments,
 the other arguments' types and values (2, 2.0 and True are three keys; so are 0.0 and
--0.0: guards.py), and the grad mode. Its guards (the state of every Module the call
-reaches or calls, with its submodules: scalar attributes, the identity of parameters,
-buffers, submodules and hooks; the Python names the function reads: names.py) must
-still hold, else the call records a new plan. The first two calls of a key run eagerly
+-0.0: guards.py), the grad mode, and which tensor arguments are one object or overlap
+in memory (aliasing.py). Its guards (the state of every Module the call reaches or
+calls, with its submodules: scalar attributes, the identity of parameters, buffers,
+tensor attributes, submodules and hooks; the Python names the function reads:
+names.py; which arguments are, or overlap, a tensor the function reaches otherwise:
+aliasing.py) must still hold, else the call records a new plan. The first two calls of a key run eagerly
 and are both recorded; the plan is trusted only when the two recordings agree (the
 same ops on the same arguments, in the same grad modes, the same grad mode left, the
 same values of the names the function reads, the same module states), so a value baked in on the first call
@@ -51,6 +53,7 @@ from microtensor.core import _core
 from microtensor.core._core import Tensor
 from microtensor.capture import names as _names
 from microtensor.capture import guards as _guards
+from microtensor.capture import aliasing as _aliasing
 from microtensor.capture.recorder import Recorder, current
 from microtensor.capture.plan import Plan, compare
 
@@ -97,14 +100,16 @@ class CompiledFunction:
             self.calls["eager"] += 1
             return self.fn(*args, **kwargs)
         try:
-            key = (_key(args), _key(tuple(sorted(kwargs.items()))), _core.is_grad_enabled())
+            ordered = tuple(sorted(kwargs.items()))
+            tensors = [t for _, t in _tensors((args, dict(ordered)))]
+            key = (_key(args), _key(ordered), _core.is_grad_enabled(), _aliasing.among(tensors))
         except TypeError as e:
             return self._run_eagerly(None, f"an argument cannot key a plan ({e})", args, kwargs)
         if key in self._eager:
             self.calls["eager"] += 1
             return self.fn(*args, **kwargs)
         for plan in self._plans.get(key, ()):
-            if plan.holds():
+            if plan.holds(tensors):
                 self.calls["replayed"] += 1
                 return plan.replay(args, kwargs)
         with self._lock:
@@ -120,7 +125,8 @@ class CompiledFunction:
         names = _names.snapshot(self.fn)
         # the modules the call can reach, as they are before it runs (guards.py)
         _guards.tree(_guards.roots_of(self.fn, args, kwargs, names), recorder.guards)
-        inputs = [(path, recorder.new_slot(t)) for path, t in _tensors((args, kwargs))]
+        found = _tensors((args, dict(sorted(kwargs.items()))))
+        inputs = [(path, recorder.new_slot(t)) for path, t in found]
         with recorder:
             result = self.fn(*args, **kwargs)
             result_template = recorder.result_template(result)
@@ -141,9 +147,15 @@ class CompiledFunction:
                     self._give_up(key, recorder.interrupted)
                 return result
             plan = Plan(recorder, inputs, result_template, arena=self.arena, names=names)
+            # which arguments are (or overlap) a tensor the function reaches otherwise
+            plan.aliases = _aliasing.Beside(_aliasing.reachable(
+                names, [g[0] for g in plan.guards], recorder.externals.values()),
+                [t for _, t in found])
             first = self._pending.pop(key, None)
-            if first is None:
-                self._pending[key] = plan       # the second call records again and compares
+            if first is None or first.aliases.signature != plan.aliases.signature:
+                # the second call records again and compares (a call whose arguments
+                # alias other tensors than the first's did starts the pair again)
+                self._pending[key] = plan
                 return result
             difference = _names.changed(first.names, plan.names) or compare(first, plan)
             if difference is not None:

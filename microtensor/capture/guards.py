@@ -9,7 +9,8 @@ recordings all use it.
 A module (an instance of a class given to `register_guard`: nn.Module) is guarded by
 its whole state as the plan needs it (`state`): its scalar attributes (`training`, a
 dropout's `p`, any number the forward reads), the identity of every tensor in its
-`_parameters` and `_buffers`, of every submodule in `_modules` (`model.h[0] = Block()`
+`_parameters` and `_buffers` and of every tensor attribute (`self.scale = mt.tensor(5.)`,
+neither a parameter nor a buffer), of every submodule in `_modules` (`model.h[0] = Block()`
 and `model.lm_head = ...` are changes) and of every hook in its `*_hooks` dicts (a
 forward pre-hook or forward hook registered or removed). The modules reachable from the
 function (its arguments, closure, globals, its `self`) are read before the call runs,
@@ -19,6 +20,8 @@ then. A change to any of it records a new plan.
 import math
 
 import numpy as np
+
+from microtensor.core._core import Tensor
 
 _SCALARS = (int, float, complex, bool, str, bytes, type(None))
 _GUARDED_DICTS = ("_parameters", "_buffers", "_modules")
@@ -88,6 +91,10 @@ def state(instance):
             append((name, (kind, value)))
         elif kind is float or kind is complex or isinstance(value, np.generic):
             append((name, scalar_id(value)))
+        elif isinstance(value, Tensor):
+            # a plain tensor attribute (`self.scale = mt.tensor(5.)`): read by the
+            # records as it is, so a new one must record a new plan, as a parameter does
+            append((name, "tensor", id(value)))
     return tuple(parts)
 
 
@@ -98,6 +105,8 @@ def held(instance):
     for name, value in d.items():
         if isinstance(value, dict) and (name in _GUARDED_DICTS or name.endswith("_hooks")):
             out.extend(value.values())
+        elif isinstance(value, Tensor):
+            out.append(value)
     return out
 
 

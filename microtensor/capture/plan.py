@@ -32,13 +32,14 @@ class Plan:
         self.result = result          # template of the function's return value
         self.guards = [g for g in recorder.guards.values()]
         self.names = names            # the Python names the function reads (names.py)
+        self.aliases = None           # aliasing.Beside: the arguments' aliasing (compiled.py)
         self.externals = len(recorder.externals)
         self.final_grad_mode = getattr(recorder, "final_grad_mode", None)
         self.replays = 0
         self.fused = []               # [(label, [labels of the calls it stands for])]
         self.dropped = []             # (label, why) of the calls a rewrite removed (fuse.py)
         self._relist = None           # the backward call whose rules the next replay lists
-        self._rules_fused = False     # whether its listed rules are the fused plan's
+        self._rules_fused = False     # whether its listed rules are the rewritten plan's
         self._laid_out()
         self.memory = Memory() if arena else None
         self.lock = threading.Lock()  # one replay at a time: another thread waits
@@ -53,8 +54,9 @@ class Plan:
         self.records, self.result, self.fused, self.dropped = _fuse.fuse(
             self.records, alive, self.result)
         self._laid_out()
-        if self.fused:
-            # the backward pass runs other rules now: the first replay lists them
+        if self.fused or self.dropped:
+            # the backward pass may run other rules now (a fused call has its own; a
+            # dropped call may have had one): the first replay lists the rules it runs
             self._relist = next((i for i, rec in enumerate(self.records)
                                  if rec.label in _BACKWARD_LABELS), None)
 
@@ -76,12 +78,15 @@ class Plan:
         self._rules_fused = True
         return out
 
-    def holds(self):
-        """Whether the guards still hold: each Module's state (guards.py: its scalar
-        attributes, training included, and the identity of its parameters, buffers,
-        submodules and hooks), and the Python names the function reads (scalars by
-        type and value, everything else by identity)."""
-        return _guards.hold(self.guards) and names_hold(self.names)
+    def holds(self, inputs):
+        """Whether the guards still hold for a call with these tensor arguments: each
+        Module's state (guards.py: its scalar attributes, training included, and the
+        identity of its parameters, buffers, tensor attributes, submodules and hooks),
+        the Python names the function reads (scalars by type and value, everything else
+        by identity), and which arguments are, or overlap, the other tensors the
+        function reaches (aliasing.py)."""
+        return (_guards.hold(self.guards) and names_hold(self.names)
+                and (self.aliases is None or self.aliases.holds(inputs)))
 
     def replay(self, args, kwargs):
         with self.lock:
@@ -155,8 +160,8 @@ class Plan:
                                  "input came with other strides than when recorded)")
             nodes = [n for n in rec.info if isinstance(n, str)]
             if nodes:
-                when = ("" if self._rules_fused or not self.fused
-                        else " (as recorded, before fusion)")
+                when = ("" if self._rules_fused or not (self.fused or self.dropped)
+                        else " (as recorded, before the rewrites)")
                 lines.append(f"        runs {len(nodes)} backward rules{when}: {_counted(nodes)}")
         if self.dropped:
             labels = [label for label, _ in self.dropped]
