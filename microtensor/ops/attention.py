@@ -14,6 +14,7 @@ from microtensor.autograd.graph_rules import FusedNode
 from microtensor.ops.activations import softmax
 from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
 from microtensor.ops import _kernels
+from microtensor.ops.index import repeat_interleave
 from microtensor.ops._functional_common import (
     DtypeError, declare_saved, _float_array, _same_dtype, _threads,
     _wants_grad, _unbroadcast,
@@ -198,7 +199,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
     (..., Tq, Tk). is_causal: query i sees keys 0..i (top-left aligned, as torch).
-    scale defaults to 1/sqrt(hs). A row with every key masked outputs zeros."""
+    scale defaults to 1/sqrt(hs). A row with every key masked outputs zeros.
+    enable_gqa: grouped-query attention, key and value with fewer heads (dim -3) than
+    query, each kv head serving Hq / Hkv query heads in a row (torch's repeat_interleave)."""
+    if enable_gqa:
+        grouped = _grouped_query_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                           scale)
+        if grouped is not None:
+            return grouped
     q = _float_array(query, "scaled_dot_product_attention query")
     k = _float_array(key, "scaled_dot_product_attention key")
     v = _float_array(value, "scaled_dot_product_attention value")
@@ -216,7 +224,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except ValueError:
         raise ShapeError(f"scaled_dot_product_attention: batch dims of query {q.shape}, key "
-                         f"{k.shape} and value {v.shape} cannot be broadcast together") from None
+                         f"{k.shape} and value {v.shape} cannot be broadcast together (key "
+                         f"and value with fewer heads than query: enable_gqa=True)") from None
     if isinstance(dropout_p, bool) or not (0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
     if is_causal and attn_mask is not None:
@@ -244,6 +253,52 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
         attach(out, node, inputs)
     return out
+
+
+def _grouped_query_attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    """enable_gqa: query (..., Hq, Tq, hs) against key (..., Hk, Tk, hs) and value
+    (..., Hv, Tk, hv), Hk and Hv dividing Hq; None where every head count is Hq (the
+    plain call). Query head h reads key head h // (Hq / Hk), as torch's math backend,
+    which repeat_interleaves key and value. Here, with Hk == Hv, nothing is repeated:
+    the query heads are viewed as (..., Hk, group, Tq, hs) and key and value as
+    (..., Hk, 1, Tk, hs), so each kv head is broadcast over its group of query heads
+    (read where it lies; its gradient summed over the group, as a broadcast's is)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"scaled_dot_product_attention: {name} must be a Tensor, got "
+                            f"{type(t).__name__}")
+        if t.ndim < 3:
+            raise IndexError(f"scaled_dot_product_attention: enable_gqa=True groups the heads "
+                             f"at dim -3, but {name} has shape {tuple(t.shape)} (dimension out "
+                             f"of range: expected at least 3 dims)")
+    Hq, Hk, Hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if Hk == Hq and Hv == Hq:
+        return None
+    if Hk == 0 or Hv == 0 or Hq % Hk or Hq % Hv:
+        raise ShapeError(f"scaled_dot_product_attention: number of heads in key ({Hk}) and "
+                         f"value ({Hv}) must divide the number of heads in query ({Hq}) "
+                         f"(enable_gqa=True; shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)})")
+    if Hk != Hv:             # torch's own way: each repeated to Hq heads (copies)
+        key = key if Hk == Hq else repeat_interleave(key, Hq // Hk, -3)
+        value = value if Hv == Hq else repeat_interleave(value, Hq // Hv, -3)
+        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                            is_causal, scale)
+    group = Hq // Hk
+    lead = tuple(query.shape[:-3])
+    q = _core.reshape(query, *lead, Hk, group, *query.shape[-2:])   # (..., Hk, group, Tq, hs)
+    k = _core.unsqueeze(key, -3)                                   # (..., Hk, 1, Tk, hs)
+    v = _core.unsqueeze(value, -3)                                 # (..., Hk, 1, Tk, hv)
+    mask = attn_mask
+    if mask is not None:
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else np.shape(mask)
+        if len(shape) >= 3 and shape[-3] in (1, Hq):       # its head dim split the same way
+            split = (Hk, group) if shape[-3] == Hq else (1, 1)
+            target = shape[:-3] + split + shape[-2:]
+            mask = (_core.reshape(mask, *target) if isinstance(mask, Tensor)
+                    else np.reshape(np.asarray(mask), target))
+    out = scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale)
+    return _core.reshape(out, *out.shape[:-4], Hq, *out.shape[-2:])  # (..., Hq, Tq, hv)
 
 
 def _attend(q, k, v, batch, slabs, index, has_mask, dropout_p, is_causal, scale, node_type):

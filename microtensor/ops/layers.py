@@ -154,13 +154,19 @@ declare_saved(DropoutBackward)               # only its own mask
 
 
 def dropout(input, p=0.5, training=True, inplace=False):
-    """Zero each element with probability p and scale the rest by 1/(1-p) (training only)."""
+    """Zero each element with probability p and scale the rest by 1/(1-p) (training only).
+    inplace=True writes the result into input and returns input (its version counts one
+    change), as torch: refused for a leaf that requires grad; on a non-leaf the tensor
+    becomes the dropout's output in the graph (see _dropout_in_place)."""
     x = _tensor(input, "dropout input")
     if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) \
             or not (0.0 <= p <= 1.0):
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0:
         return x
+    watched = needs_graph((input,))
+    if inplace:
+        _check_dropout_in_place(x, watched)
     d = _contig(_float_array(x, "dropout input"))
     if p == 1:
         mask = np.zeros(d.shape, dtype=d.dtype)
@@ -168,15 +174,51 @@ def dropout(input, p=0.5, training=True, inplace=False):
     else:
         uniform = _core.default_generator().random(d.size, dtype=np.float32)
         mask = np.empty_like(d)
-        out = np.empty_like(d)
+        # in place on contiguous storage: the kernel writes each element over itself
+        out = x._data if inplace and d is x._data else np.empty_like(d)
         _kernels.fused.dropout_forward(out.reshape(-1), mask.reshape(-1), d.reshape(-1), uniform,
                                float(p), _threads(d.size, memory_bound=True))
+    if inplace:
+        return _dropout_in_place(x, out, mask, watched)
     out = wrap(out)
-    if needs_graph((input,)):
+    if watched:
         node = DropoutBackward()
         node.mask = mask
         attach(out, node, (input,))
     return out
+
+
+def _check_dropout_in_place(x, watched):
+    """What torch refuses before an in-place dropout changes anything."""
+    if watched and x._node is None:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                           "operation.")
+    if not x._data.flags.writeable:
+        raise RuntimeError("dropout: this tensor's storage is read-only (an expanded or "
+                           "broadcast view); clone() it before an in-place dropout")
+
+
+def _dropout_in_place(x, out, mask, watched):
+    """x's storage takes the result (out, unless the kernel already wrote there), its
+    version counts the change (a graph that saved x refuses backward), and x is returned.
+
+    With autograd watching, x (a non-leaf) becomes the dropout's output, as torch records
+    an in-place op: its old place in the graph moves to a new tensor, `before`, which the
+    DropoutBackward reads. NOTE: this engine's nodes hold tensors, not edges, so a node
+    recorded earlier with x as an input follows x to its new place: an op that read x
+    before the dropout and saved it is caught by the version check; one that saved
+    nothing (x + 1, x.sum(), a view of x) would send its gradient through the mask.
+    Use inplace=False where x is read before the dropout."""
+    if out is not x._data:
+        np.copyto(x._data, out)
+    x._bump_version()
+    if watched:
+        before = wrap(x._data)
+        before._node, before._requires_grad, before._vc = x._node, True, x._vc
+        node = DropoutBackward()
+        node.mask = mask
+        attach(x, node, (before,))
+    return x
 
 
 # ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----

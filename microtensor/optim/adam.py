@@ -14,6 +14,8 @@ class Adam(Optimizer):
         m = b1 * m + (1 - b1) * g;   v = b2 * v + (1 - b2) * g^2
         p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
+    maximize=True runs the same update on -grad (gradient ascent), as torch.
+
     Every parameter of a param group is updated, in place, by one call of the Cython
     kernel `adam_step_many` (its threads share out the elements of all of them); a
     parameter stored non-contiguously takes `adam_step` on a contiguous copy.
@@ -21,7 +23,7 @@ class Adam(Optimizer):
     decoupled_weight_decay = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
-                 amsgrad=False):
+                 amsgrad=False, *, maximize=False):
         if lr < 0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if eps < 0:
@@ -35,7 +37,7 @@ class Adam(Optimizer):
         if weight_decay < 0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      amsgrad=amsgrad))
+                                      amsgrad=amsgrad, maximize=maximize))
 
     def step(self, closure=None):
         """One update of every parameter that has a gradient: one kernel call per param
@@ -45,6 +47,7 @@ class Adam(Optimizer):
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             amsgrad = group["amsgrad"]
+            maximize = group.get("maximize", False)      # absent from older checkpoints
             options = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
             together = {}          # dtype -> the flat arrays of each of the group's parameters
             for pi, p in enumerate(group["params"]):
@@ -58,7 +61,7 @@ class Adam(Optimizer):
                 max_exp_avg_sq = (self._state_buffer(state, "max_exp_avg_sq", p)._data.reshape(-1)
                                   if amsgrad else exp_avg_sq)   # unread without amsgrad
                 param, copied = _flat(p._data)
-                grad = _flat_grad(p, g)
+                grad = _flat_grad(p, g, maximize)
                 step = state.get("step", 0) + 1
                 if copied:             # a strided parameter: updated on a copy, copied back
                     if param.size:
@@ -89,6 +92,6 @@ class AdamW(Adam):
     decoupled_weight_decay = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 amsgrad=False):
+                 amsgrad=False, *, maximize=False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad)
+                         amsgrad=amsgrad, maximize=maximize)

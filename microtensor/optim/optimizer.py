@@ -314,8 +314,13 @@ def _flat(array):
     return np.ascontiguousarray(array).reshape(-1), True
 
 
-def _flat_grad(p, g):
-    """The gradient g (checked by _check_param) as a flat contiguous array of p's dtype."""
+def _flat_grad(p, g, maximize=False):
+    """The gradient g (checked by _check_param) as a flat contiguous array of p's dtype;
+    with maximize, -g in a new array (p.grad is left as it is), as torch negates the
+    gradient before anything else reads it: every kernel then runs its usual update,
+    and the sign flip is exact, so the steps are torch's to the bit."""
+    if maximize:
+        return np.negative(g, dtype=p._data.dtype, casting="same_kind").reshape(-1)
     if g.dtype != p._data.dtype or not g.flags.c_contiguous:
         g = np.ascontiguousarray(g, dtype=p._data.dtype)
     return g.reshape(-1)

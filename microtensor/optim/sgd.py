@@ -14,10 +14,12 @@ class SGD(Optimizer):
         b = g (first step), then b = momentum * b + (1 - dampening) * g
         g = g + momentum * b (nesterov)  or  g = b
         p = p - lr * g
+
+    maximize=True runs the same update on -grad (gradient ascent), as torch.
     """
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
-                 nesterov=False):
+                 nesterov=False, *, maximize=False):
         if lr < 0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0:
@@ -28,7 +30,8 @@ class SGD(Optimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening "
                              f"(got momentum={momentum}, dampening={dampening})")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                      weight_decay=weight_decay, nesterov=nesterov))
+                                      weight_decay=weight_decay, nesterov=nesterov,
+                                      maximize=maximize))
 
     def step(self, closure=None):
         """One update of every parameter that has a gradient (one kernel call each)."""
@@ -36,6 +39,7 @@ class SGD(Optimizer):
         num_threads = _num_threads()
         for gi, group in enumerate(self.param_groups):
             momentum = group["momentum"]
+            maximize = group.get("maximize", False)      # absent from older checkpoints
             for pi, p in enumerate(group["params"]):
                 if p._grad is None:
                     continue
@@ -46,7 +50,7 @@ class SGD(Optimizer):
                     first_step = state.get("momentum_buffer") is None
                     buf = self._state_buffer(state, "momentum_buffer", p)._data.reshape(-1)
                 param, copied = _flat(p._data)
-                grad = _flat_grad(p, g)
+                grad = _flat_grad(p, g, maximize)
                 if momentum == 0:
                     first_step, buf = True, param   # unread when momentum is 0
                 if param.size:
