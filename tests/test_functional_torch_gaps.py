@@ -82,41 +82,23 @@ def test_inplace_dropout_refuses_read_only_storage():
 
 
 @pytest.mark.parametrize("p", [0.3, 1.0])
-def test_inplace_dropout_on_a_non_leaf_has_torchs_gradient(p):
-    """h = w * s; dropout_(h); loss(h): the gradient reaches w through the mask."""
-    a = RNG.standard_normal((4, 9)) + 3
-    s = RNG.standard_normal((4, 9))
-    g = RNG.standard_normal((4, 9))
-    w = leaf(a)
-    h = w * mt.tensor(s)
-    mt.manual_seed(11)
-    out = F.dropout(h, p, inplace=True)
-    assert out is h and h.grad_fn is not None and h.grad_fn.name() == "DropoutBackward"
-    (h * mt.tensor(g)).sum().backward()
-    mask = np.where(h.numpy() != 0, 1 / (1 - p) if p < 1 else 0.0, 0.0)
-    tw = torch.tensor(a, requires_grad=True)
-    th = tw * torch.tensor(s)
-    th.mul_(torch.tensor(mask))            # torch's dropout_ with the same mask
-    (th * torch.tensor(g)).sum().backward()
-    np.testing.assert_allclose(h.numpy(), th.detach().numpy(), rtol=1e-15)
-    np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=1e-14)
-
-
-def test_inplace_dropout_after_a_saved_read_refuses_backward():
-    """An op that saved h before the in-place dropout (mul saves both operands) sees the
-    version change, as in torch."""
-    w = leaf(RNG.standard_normal(6))
+def test_inplace_dropout_on_a_watched_non_leaf_is_refused_not_wrong(p):
+    """torch records dropout_ in its graph; this engine records no in-place op, and a node
+    that read h before the dropout without saving it (h + 1) would take its gradient through
+    the mask. So it refuses, naming what to write instead, and leaves h as it was."""
+    w = leaf(RNG.standard_normal((4, 9)))
     h = w * 2.0
-    y = h * h
-    F.dropout(h, 0.5, inplace=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        y.sum().backward()
-    tw = torch.tensor(w.numpy(), requires_grad=True)
-    th = tw * 2.0
-    ty = th * th
-    TF.dropout(th, 0.5, True, True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        ty.sum().backward()
+    before = h.numpy().copy()
+    y = h + 1.0
+    with pytest.raises(RuntimeError, match="inplace=False"):
+        F.dropout(h, p, inplace=True)
+    np.testing.assert_array_equal(h.numpy(), before)
+    assert h._version == 0
+    (y + h).sum().backward()                                      # the graph is intact
+    np.testing.assert_array_equal(w.grad.numpy(), np.full((4, 9), 4.0))
+    with mt.no_grad():                                            # unwatched: in place
+        assert F.dropout(h, p, inplace=True) is h
+    assert h._version == 1
 
 
 # ---- cosine_similarity ------------------------------------------------------------------
@@ -205,3 +187,13 @@ def test_cosine_similarity_refuses_shapes_that_do_not_broadcast():
         TF.cosine_similarity(torch.ones(2, 3), torch.ones(3, 3))
     with pytest.raises(RuntimeError, match="broadcast"):
         F.cosine_similarity(mt.ones(2, 3), mt.ones(3, 3))
+
+
+def test_nn_dropout_passes_inplace_on():
+    x = mt.ones(1000)
+    with mt.no_grad():
+        y = mt.nn.Dropout(0.5, inplace=True)(x)
+    assert y is x and x._version == 1 and (x.numpy() == 0).any()
+    x = mt.ones(1000)
+    y = mt.nn.Dropout(0.5)(x)
+    assert y is not x and (x.numpy() == 1).all()

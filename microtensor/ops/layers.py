@@ -189,10 +189,19 @@ def dropout(input, p=0.5, training=True, inplace=False):
 
 
 def _check_dropout_in_place(x, watched):
-    """What torch refuses before an in-place dropout changes anything."""
+    """What is refused before an in-place dropout changes anything: a leaf that requires
+    grad (torch's words), and, unlike torch, any tensor autograd is watching. NOTE: the
+    engine records no in-place op in the graph (tensor.pxi's _check_inplace says why), and
+    a node that read x before the dropout without saving it (x + 1, x.sum(), a view of x)
+    would send its gradient through the mask: refused, not a silently wrong gradient."""
     if watched and x._node is None:
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
                            "operation.")
+    if watched:
+        raise RuntimeError(
+            f"F.dropout(..., inplace=True) on a tensor that requires grad (made by "
+            f"{x._node.name()}) is not recorded by microtensor's autograd; use inplace=False "
+            f"(nn.Dropout(p) without inplace), or run it under mt.no_grad()")
     if not x._data.flags.writeable:
         raise RuntimeError("dropout: this tensor's storage is read-only (an expanded or "
                            "broadcast view); clone() it before an in-place dropout")
@@ -200,24 +209,11 @@ def _check_dropout_in_place(x, watched):
 
 def _dropout_in_place(x, out, mask, watched):
     """x's storage takes the result (out, unless the kernel already wrote there), its
-    version counts the change (a graph that saved x refuses backward), and x is returned.
-
-    With autograd watching, x (a non-leaf) becomes the dropout's output, as torch records
-    an in-place op: its old place in the graph moves to a new tensor, `before`, which the
-    DropoutBackward reads. NOTE: this engine's nodes hold tensors, not edges, so a node
-    recorded earlier with x as an input follows x to its new place: an op that read x
-    before the dropout and saved it is caught by the version check; one that saved
-    nothing (x + 1, x.sum(), a view of x) would send its gradient through the mask.
-    Use inplace=False where x is read before the dropout."""
+    version counts the change, and x is returned (no autograd is watching: see
+    _check_dropout_in_place)."""
     if out is not x._data:
         np.copyto(x._data, out)
     x._bump_version()
-    if watched:
-        before = wrap(x._data)
-        before._node, before._requires_grad, before._vc = x._node, True, x._vc
-        node = DropoutBackward()
-        node.mask = mask
-        attach(x, node, (before,))
     return x
 
 
