@@ -197,3 +197,15 @@ def test_nn_dropout_passes_inplace_on():
     x = mt.ones(1000)
     y = mt.nn.Dropout(0.5)(x)
     assert y is not x and (x.numpy() == 1).all()
+
+
+@pytest.mark.parametrize("data", [1e-9, [1e-9, 1 / 3], [[0.1, 1e-300], [3.3e38 * 2, -1e-45]],
+                                  ((1e-9,),)])
+def test_a_tensor_of_python_floats_asked_for_as_float64_keeps_every_digit(data):
+    # torch builds the asked-for dtype straight from the Python floats
+    got = mt.tensor(data, dtype=mt.float64).numpy()
+    want = torch.tensor(data, dtype=torch.float64).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.float64
+    # the default stays float32, as torch's
+    np.testing.assert_array_equal(mt.tensor(data).numpy(), torch.tensor(data).numpy())

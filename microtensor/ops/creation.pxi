@@ -17,14 +17,18 @@ cdef object _to_array(object data, object dtype):
     elif isinstance(data, int):
         a = np.array(data, dtype=int64)
     elif isinstance(data, float):
-        a = np.array(data, dtype=_default_float)
+        # NOTE: straight to the float dtype asked for: through float32 first, 1e-9 asked
+        # for as float64 would keep float32's rounding (9.99999972e-10)
+        a = np.array(data, dtype=dtype if _is_float_dtype(dtype) else _default_float)
     elif isinstance(data, np.generic):
         a = np.asarray(data)
     else:
         if isinstance(data, (list, tuple)) and any(isinstance(x, Tensor) for x in data):
             data = [x._data if isinstance(x, Tensor) else x for x in data]
         a = np.asarray(data)
-        if a.dtype == float64 and _default_float is not float64:
+        if a.dtype == float64 and _is_float_dtype(dtype):
+            pass                             # cast once, below, to the dtype asked for
+        elif a.dtype == float64 and _default_float is not float64:
             a = a.astype(_default_float)
         elif a.dtype.kind == "i":
             a = a.astype(int64)
@@ -36,6 +40,10 @@ cdef object _to_array(object data, object dtype):
     if dtype is not None and a.dtype != dtype:
         a = a.astype(dtype)
     return a
+
+
+cdef bint _is_float_dtype(object dtype):
+    return dtype is not None and np.dtype(dtype).kind == "f"
 
 
 # numpy dtype kinds no tensor holds: objects, strings, raw bytes, dates and times
