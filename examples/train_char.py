@@ -788,10 +788,15 @@ def train(argv, cleanup):
             signal.signal(signal.SIGINT, previous_handler)
     progress.close()
     wrote = [n for n in OUTPUT_NAMES if os.path.exists(os.path.join(out_dir, n))]
+    if run["init_from"] and os.path.isdir(hf_dir):
+        wrote.append("hf/ (the best model in Hugging Face's format, with its tokenizer)")
+        sample_from = ("--init_from", hf_dir)
+    else:
+        sample_from = ("--out_dir", out_dir)
     print(f"done: {iter_num} iterations, best val loss {best_val_loss:.4f}; wrote in "
           f"{out_dir}/: {', '.join(wrote)}")
     print("sample from it: " + _cli.command(os.path.join(os.path.dirname(__file__), "sample.py"),
-                                            "--out_dir", out_dir))
+                                            *sample_from))
 
     # -------------------------------------------------------------------------
     # a sample from the final model
