@@ -154,6 +154,7 @@ def histc(input, bins=100, min=0, max=0):
 # ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
 
 register_ops("pointwise", globals(), "isclose isinf isposinf isneginf logical_xor")
-register_ops("reduction", globals(), """
-    any all count_nonzero allclose equal is_floating_point is_nonzero bincount histc""")
+register_ops("reduction", globals(), "any all count_nonzero bincount histc")
+register_ops("reduction", globals(), "allclose equal is_floating_point is_nonzero",
+             aliasing="none")                  # a Python bool, not a tensor
 register_ops("index", globals(), "nonzero argwhere unique")

@@ -14,7 +14,7 @@ import microtensor.core._core as _core
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_op, register_ops
 from microtensor.autograd.graph_rules import _keepdim, _const, DifferentiableRule
 from microtensor.ops._common import _tensor, _dim, _dims, _float, declare_saved
-from microtensor.ops.index import diagonal
+from microtensor.core._core import diagonal
 
 
 # ---- matrix products -------------------------------------------------------------------

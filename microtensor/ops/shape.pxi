@@ -1,5 +1,17 @@
 # Shape ops: views and copies that move elements around. Backward moves the gradient
-# back the same way.
+# back the same way. Which are views and which copies is torch's choice, op by op (each
+# registry row says which); a view's strides are torch's too, size-1 dims included, and
+# no tensor here ever has a negative stride (a negative step copies).
+
+from numpy.lib.stride_tricks import as_strided as _as_strided
+
+
+cdef object _restride(object a, tuple strides):
+    """`a` with these byte strides, which differ from a's only on size-1 dims (where a
+    stride moves nothing): the strides torch reports there, not numpy's."""
+    if a.strides == strides:
+        return a
+    return _as_strided(a, a.shape, strides)
 
 cdef tuple _shape_from_args(tuple args):
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
@@ -100,8 +112,14 @@ def flatten(x, start_dim=0, end_dim=-1):
 def unsqueeze(x, dim):
     cdef Tensor t = _t(x)
     cdef int d = _norm_dim(dim, t._data.ndim + 1)
-    shp = t._data.shape
-    return reshape(t, shp[:d] + (1,) + shp[d:])
+    a = t._data
+    shp = a.shape
+    cdef Tensor res = reshape(t, shp[:d] + (1,) + shp[d:])
+    # torch's stride for the new dim: the size times the step of the dim it lands before
+    # (the itemsize at the end); numpy's reshape may say otherwise on a strided input
+    step = shp[d] * a.strides[d] if d < a.ndim else a.itemsize
+    res._data = _restride(res._data, a.strides[:d] + (step,) + a.strides[d:])
+    return res
 
 
 def squeeze(x, dim=None):
@@ -176,6 +194,23 @@ cdef class ExpandBackward(Node):
         return (_sum_to(g, self.shape),)
 
 
+cdef tuple _expand_strides(object a, tuple shape):
+    """The byte strides torch gives a's expansion to `shape`: 0 on every dim that grows,
+    the input's own step on the others, and on a new leading dim of size 1 the size times
+    the step of the dim after it (a 0-d input: all 0, unless every size is 1)."""
+    cdef Py_ssize_t n = len(shape), lead = n - a.ndim, i
+    if a.ndim == 0:
+        return tuple(0 for s in shape) if _builtins.any(s != 1 for s in shape) \
+            else tuple(a.itemsize for s in shape)
+    strides = [0] * n
+    for i in range(n - 1, -1, -1):
+        if i >= lead:
+            strides[i] = 0 if a.shape[i - lead] != shape[i] else a.strides[i - lead]
+        else:
+            strides[i] = 0 if shape[i] != 1 else shape[i + 1] * strides[i + 1]
+    return tuple(strides)
+
+
 def expand(x, *sizes):
     cdef Tensor t = _t(x)
     cdef tuple target = _shape_from_args(sizes)
@@ -193,7 +228,8 @@ def expand(x, *sizes):
         elif i >= lead and shp[i - lead] != 1 and shp[i - lead] != s:
             raise ShapeError(f"expand: the expanded size {s} must match the existing size "
                              f"{shp[i - lead]} at dim {i} (shape {shp} -> {target})")
-    cdef Tensor res = Tensor._wrap(np.broadcast_to(t._data, tuple(resolved)))
+    cdef Tensor res = Tensor._wrap(_restride(np.broadcast_to(t._data, tuple(resolved)),
+                                             _expand_strides(t._data, tuple(resolved))))
     _share_version(res, t)
     cdef ExpandBackward node
     if _grad_on() and t._requires_grad:
@@ -321,6 +357,72 @@ def stack(tensors, dim=0):
             raise ShapeError(f"stack: expects each tensor to be equal size, but got {ref} at "
                              f"entry 0 and {(<Tensor>tt)._data.shape} at entry {i}")
     return cat([unsqueeze(tt, d) for tt in tensors], d)
+
+
+cdef tuple _diagonal_geometry(tuple shape, int offset, int d1, int d2):
+    """(first row, first column, length) of the offset-th diagonal of the (d1, d2) planes."""
+    cdef int r0 = 0 if offset >= 0 else -offset, c0 = offset if offset >= 0 else 0
+    return r0, c0, _builtins.max(0, _builtins.min(shape[d1] - r0, shape[d2] - c0))
+
+
+cdef object _diagonal_view(object a, int offset, int d1, int d2):
+    """A writable view of a's diagonal (numpy's np.diagonal is read-only): the other dims,
+    then the diagonal with the step of a row plus a column, as torch."""
+    r0, c0, n = _diagonal_geometry(a.shape, offset, d1, d2)
+    rest = [k for k in range(a.ndim) if k != d1 and k != d2]
+    start = a[tuple(slice(r0, None) if k == d1 else slice(c0, None) if k == d2 else slice(None)
+                    for k in range(a.ndim))] if n else a
+    return _as_strided(start, tuple(a.shape[k] for k in rest) + (n,),
+                       tuple(a.strides[k] for k in rest) + (a.strides[d1] + a.strides[d2],))
+
+
+cdef class DiagonalBackward(Node):
+    """y = x.diagonal(offset, dim1, dim2);  dx = zeros, with g on that diagonal"""
+    cdef readonly tuple shape
+    cdef readonly object dtype
+    cdef readonly int offset, dim1, dim2
+    cpdef tuple backward(self, g):
+        dx = np.zeros(self.shape, dtype=self.dtype)
+        _diagonal_view(dx, self.offset, self.dim1, self.dim2)[...] = g
+        return (dx,)
+
+    def create_graph(self, g):
+        """y = x.diagonal(offset, dim1, dim2);  dx = zeros, with g on that diagonal"""
+        # built in the layout (other dims, dim1, dim2), where the diagonal is the last
+        # two index arrays, then permuted back
+        n = len(self.shape)
+        rest = [k for k in range(n) if k != self.dim1 and k != self.dim2]
+        order = rest + [self.dim1, self.dim2]
+        r0, c0, length = _diagonal_geometry(self.shape, self.offset, self.dim1, self.dim2)
+        i = np.arange(length)
+        planes = add_at(g, (Ellipsis, r0 + i, c0 + i),
+                        tuple(self.shape[k] for k in order), False)
+        inverse = [0] * n
+        for k in range(n):
+            inverse[order[k]] = k
+        return (permute(planes, tuple(inverse)),)
+
+
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    """The offset-th diagonal of the (dim1, dim2) planes, as the last dim: a view (writes
+    through it reach x), as torch's."""
+    cdef Tensor t = _t(x)
+    cdef int n = t._data.ndim
+    if n < 2:
+        raise IndexError(f"diagonal(): expected a tensor of at least 2 dims, got shape "
+                         f"{t._data.shape}")
+    cdef int d1 = _norm_dim(dim1, n), d2 = _norm_dim(dim2, n)
+    if d1 == d2:
+        raise ArgumentError(f"diagonal(): dim1 and dim2 cannot be identical, got {d1}")
+    cdef Tensor res = Tensor._wrap(_diagonal_view(t._data, int(offset), d1, d2))
+    _share_version(res, t)
+    cdef DiagonalBackward node
+    if _grad_on() and t._requires_grad:
+        node = DiagonalBackward.__new__(DiagonalBackward)
+        node.shape, node.dtype = t._data.shape, t._data.dtype
+        node.offset, node.dim1, node.dim2 = int(offset), d1, d2
+        _attach(res, node, (t,))
+    return res
 
 
 cdef class TrilBackward(Node):
@@ -466,6 +568,53 @@ cdef bint _has_mask(object key):
     return _is_mask(key)
 
 
+cdef bint _negative_step(object key):
+    if isinstance(key, slice):
+        return key.step is not None and key.step < 0
+    if isinstance(key, tuple):
+        for k in key:
+            if isinstance(k, slice) and k.step is not None and k.step < 0:
+                return True
+    return False
+
+
+cdef bint _has_new_axis(object key):
+    if key is None:
+        return True
+    if isinstance(key, tuple):
+        for k in key:
+            if k is None:
+                return True
+    return False
+
+
+cdef tuple _new_axis_strides(object key, object a, object out):
+    """out = a[key] (basic) with torch's stride on each None dim: torch indexes left to
+    right and a None unsqueezes before the input dim not yet indexed (its size times its
+    step; the itemsize past the last dim). numpy puts 0 there."""
+    key = key if isinstance(key, tuple) else (key,)
+    strides = list(out.strides)
+    cdef Py_ssize_t given = 0, j = 0, o = 0
+    for k in key:
+        if k is not None and k is not Ellipsis:
+            given += 1
+    for k in key:
+        if k is None:
+            strides[o] = a.shape[j] * a.strides[j] if j < a.ndim else a.itemsize
+            o += 1
+        elif k is Ellipsis:
+            j += a.ndim - given
+            o += a.ndim - given
+        elif isinstance(k, slice):
+            j += 1
+            o += 1
+        elif isinstance(k, (bool, np.bool_)):
+            return out.strides            # a bool scalar adds a dim: numpy's strides kept
+        else:
+            j += 1                        # an int: the dim is gone
+    return tuple(strides)
+
+
 def getitem(x, key):
     cdef Tensor t = _t(x)
     if _capture_hook is not None and _has_mask(key):
@@ -480,9 +629,17 @@ def getitem(x, key):
         raise IndexError(f"{e} (indexing a tensor of shape {t._data.shape})") from None
     if not isinstance(out, np.ndarray):
         out = np.asarray(out)
-    cdef Tensor res = Tensor._wrap(out)
     cdef bint basic = _is_basic(key)
+    cdef bint view = basic
     if basic:
+        if _negative_step(key):
+            # torch refuses a negative step; here it gives a copy, never a view with a
+            # negative stride (no tensor of the engine has one)
+            out, view = out.astype(out.dtype, copy=True), False
+        elif _has_new_axis(key):
+            out = _restride(out, _new_axis_strides(key, t._data, out))
+    cdef Tensor res = Tensor._wrap(out)
+    if view:
         _share_version(res, t)
     cdef IndexBackward node
     if _grad_on() and t._requires_grad:
@@ -514,28 +671,35 @@ declare_saved(ExpandBackward)
 declare_saved(CatBackward)
 declare_saved(TrilBackward)
 declare_saved(IndexBackward)
+declare_saved(DiagonalBackward)
 
 
-# the registry rows of this file: mt.<name> and t.<name>() (core/registry.pxi); the *_as
-# methods take their shape from another tensor, as torch's
-register_op("reshape", reshape, kind="shape")
-register_op("view", view, kind="shape")
-register_op("flatten", flatten, kind="shape")
-register_op("unsqueeze", unsqueeze, kind="shape")
-register_op("squeeze", squeeze, kind="shape")
-register_op("permute", permute, kind="shape")
-register_op("transpose", transpose, kind="shape")
-register_op("expand", expand, kind="shape")
-register_op("contiguous", contiguous, kind="shape")
-register_op("split", split, kind="shape")
-register_op("chunk", chunk, kind="shape")
+# the registry rows of this file: mt.<name> and t.<name>() (core/registry.pxi), each a
+# view or a copy as torch's same op; the *_as methods take their shape from another
+# tensor, as torch's
+register_op("reshape", reshape, kind="shape", aliasing="view_or_copy")
+register_op("view", view, kind="shape", aliasing="view")
+register_op("flatten", flatten, kind="shape", aliasing="view_or_copy")
+register_op("unsqueeze", unsqueeze, kind="shape", aliasing="view")
+register_op("squeeze", squeeze, kind="shape", aliasing="view")
+register_op("permute", permute, kind="shape", aliasing="view")
+register_op("transpose", transpose, kind="shape", aliasing="view")
+register_op("expand", expand, kind="shape", aliasing="view")
+register_op("contiguous", contiguous, kind="shape", aliasing="view_or_copy")
+register_op("split", split, kind="shape", aliasing="view")
+register_op("chunk", chunk, kind="shape", aliasing="view")
 register_op("cat", cat, method=False, kind="shape")
 register_op("stack", stack, method=False, kind="shape")
 register_op("tril", tril, kind="pointwise")
 register_op("triu", triu, kind="pointwise")
-register_op("getitem", getitem, method=False, operator="[]", kind="index")
+register_op("getitem", getitem, method=False, operator="[]", kind="index", aliasing="view_or_copy")
 register_op("index_select", index_select, kind="index")
-register_tensor_method("view_as", lambda self, other: reshape(self, other.shape), kind="shape")
-register_tensor_method("reshape_as", lambda self, other: reshape(self, other.shape), kind="shape")
-register_tensor_method("expand_as", lambda self, other: expand(self, other.shape), kind="shape")
-register_tensor_method("is_contiguous", lambda self: self._data.flags.c_contiguous, kind="shape")
+register_op("diagonal", diagonal, kind="index", aliasing="view")
+register_tensor_method("view_as", lambda self, other: view(self, other.shape), kind="shape",
+                       aliasing="view")
+register_tensor_method("reshape_as", lambda self, other: reshape(self, other.shape), kind="shape",
+                       aliasing="view_or_copy")
+register_tensor_method("expand_as", lambda self, other: expand(self, other.shape), kind="shape",
+                       aliasing="view")
+register_tensor_method("is_contiguous", lambda self: self._data.flags.c_contiguous, kind="shape",
+                       aliasing="none")
