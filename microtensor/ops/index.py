@@ -267,7 +267,7 @@ def kthvalue(input, k, dim=-1, keepdim=False):
     if not 1 <= k <= n:
         raise RuntimeError(f"kthvalue(): selected number k={k} out of range for dimension {d}")
     values, indices = topk(t, k, d, largest=False)
-    values = narrow(values, d, k - 1, 1)
+    values = _core.contiguous(narrow(values, d, k - 1, 1))      # new memory, as torch
     indices = indices._data.take([k - 1], axis=d)
     if not keepdim:
         values, indices = _core.squeeze(values, d), indices.squeeze(d)

@@ -197,11 +197,10 @@ cdef class ExpandBackward(Node):
 cdef tuple _expand_strides(object a, tuple shape):
     """The byte strides torch gives a's expansion to `shape`: 0 on every dim that grows,
     the input's own step on the others, and on a new leading dim of size 1 the size times
-    the step of the dim after it (a 0-d input: all 0, unless every size is 1)."""
+    the step of the dim after it (a 0-d input: all 0)."""
     cdef Py_ssize_t n = len(shape), lead = n - a.ndim, i
     if a.ndim == 0:
-        return tuple(0 for s in shape) if _builtins.any(s != 1 for s in shape) \
-            else tuple(a.itemsize for s in shape)
+        return (0,) * n
     strides = [0] * n
     for i in range(n - 1, -1, -1):
         if i >= lead:
@@ -228,8 +227,11 @@ def expand(x, *sizes):
         elif i >= lead and shp[i - lead] != 1 and shp[i - lead] != s:
             raise ShapeError(f"expand: the expanded size {s} must match the existing size "
                              f"{shp[i - lead]} at dim {i} (shape {shp} -> {target})")
-    cdef Tensor res = Tensor._wrap(_restride(np.broadcast_to(t._data, tuple(resolved)),
-                                             _expand_strides(t._data, tuple(resolved))))
+    strides = _expand_strides(t._data, tuple(resolved))
+    # read-only where elements repeat (a write there is ambiguous: torch refuses it too)
+    overlapping = _builtins.any(s == 0 and n > 1 for s, n in zip(strides, resolved))
+    cdef Tensor res = Tensor._wrap(_as_strided(t._data, tuple(resolved), strides,
+                                               writeable=not overlapping))
     _share_version(res, t)
     cdef ExpandBackward node
     if _grad_on() and t._requires_grad:
@@ -568,6 +570,16 @@ cdef bint _has_mask(object key):
     return _is_mask(key)
 
 
+cdef tuple _c_strides(tuple shape, Py_ssize_t itemsize):
+    """The byte strides of a new C-order array of this shape (size-1 dims included)."""
+    cdef list out = []
+    cdef Py_ssize_t step = itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= n if n > 1 else 1
+    return tuple(reversed(out))
+
+
 cdef bint _negative_step(object key):
     if isinstance(key, slice):
         return key.step is not None and key.step < 0
@@ -627,11 +639,17 @@ def getitem(x, key):
         out = t._data[key]
     except IndexError as e:
         raise IndexError(f"{e} (indexing a tensor of shape {t._data.shape})") from None
-    if not isinstance(out, np.ndarray):
-        out = np.asarray(out)
     cdef bint basic = _is_basic(key)
     cdef bint view = basic
-    if basic:
+    if not isinstance(out, np.ndarray):
+        # numpy hands back a scalar for x[i, j]: a trailing ... makes it a 0-d view
+        out = t._data[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)] if basic \
+            else np.asarray(out)
+    if not basic:
+        # new memory in C order with the standard steps (numpy's advanced index may
+        # leave the dims in another order in memory), as torch's index gives
+        out = _restride(_contig(out), _c_strides(out.shape, out.itemsize))
+    else:
         if _negative_step(key):
             # torch refuses a negative step; here it gives a copy, never a view with a
             # negative stride (no tensor of the engine has one)
