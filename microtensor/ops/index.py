@@ -2,8 +2,8 @@
 
 Most are compositions of the core's differentiable primitives (getitem, cat, expand,
 permute, reshape), so their gradients come from rules that are already checked:
-gather is an advanced index, flip a negative-step slice, repeat an expand plus a
-reshape. Scatter writes into a copy, so it has its own small node.
+gather is an advanced index, repeat an expand plus a reshape. Scatter writes into a
+copy and flip copies (as torch's), so each has its own small node.
 """
 import builtins
 
