@@ -152,6 +152,8 @@ REFUSALS = {
     "an mt name taken": _clash_with_an_mt_name,
     "no kind": lambda mp: ("registry_test_refused", (lambda t: t), {"kind": None}),
     "a kind not in KINDS": lambda mp: ("registry_test_refused", (lambda t: t), {"kind": "elementwise"}),
+    "an aliasing not in ALIASINGS": lambda mp: ("registry_test_refused", (lambda t: t),
+                                                {"aliasing": "alias"}),
 }
 
 

@@ -24,7 +24,8 @@ so that ops reach tensors' fields at C speed:
   ops/unary.pxi             exp, log, sqrt, tanh, sigmoid, relu, abs, clamp
   ops/logical.pxi           comparisons, logical ops, isnan/isfinite (bool results, no gradient)
   ops/reduce.pxi            sum, mean, var, amax/max, argmax, logsumexp
-  ops/shape.pxi             reshape/view, permute, expand, cat/stack, split, indexing
+  ops/shape.pxi             reshape/view, permute, expand, cat/stack, split, diagonal
+  ops/indexing.pxi          x[key] and index_select (views for basic keys)
   ops/matmul.pxi            matmul (2-D and 3-D float products through microtensor.kernels._blas)
 
 Each op is a Backward node class (its rule, math in the first docstring line) with
@@ -52,4 +53,5 @@ include "../ops/unary.pxi"
 include "../ops/logical.pxi"
 include "../ops/reduce.pxi"
 include "../ops/shape.pxi"
+include "../ops/indexing.pxi"
 include "../ops/matmul.pxi"

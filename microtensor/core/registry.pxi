@@ -30,6 +30,17 @@ KINDS = ("pointwise",   # each output element from the same-index input elements
          "inplace")     # changes its tensor (masked_fill_, exp_)
 
 
+# What an op's result is to its input's memory, as torch's documentation says of the same
+# op (tests/test_views_and_copies.py writes through every row's result and into its input
+# and compares with torch). A view shares its base's version counter, so a write through
+# either one is seen by a graph that saved the other.
+ALIASINGS = ("view",          # shares the input's memory, always (transpose, narrow, diagonal)
+             "copy",          # new memory, always (exp, flip, repeat, cat)
+             "view_or_copy",  # a view when the strides allow, else a copy (reshape, x[key])
+             "inplace",       # writes into its tensor and returns it (exp_, masked_fill_)
+             "none")          # returns no tensor: a bool, a number, a tuple of ints
+
+
 # Where an op is called from besides mt.<name>: "" (mt itself, and Tensor methods), "F"
 # (torch.nn.functional's ops, as mt.nn.functional.<name>), "linalg" (mt.linalg.<name>).
 SCOPES = ("", "F", "linalg")
@@ -40,13 +51,15 @@ class OpRow:
     `t.<name>(...)` calls with t first (None: no method), `operator` the symbol Python
     spells it with, `kind` its class (one of KINDS), `module` where its rule lives, and
     `scope` where else it is called from ("F": it is F.<name>; "linalg": mt.linalg.<name>).
-    `label` names it as the profiler and mt.compile's plans do: "F.gelu", "exp"."""
-    __slots__ = ("name", "function", "method", "operator", "export", "module", "kind", "scope")
+    `aliasing` what its result is to its input's memory (one of ALIASINGS: "view", "copy",
+    ...). `label` names it as the profiler and mt.compile's plans do: "F.gelu", "exp"."""
+    __slots__ = ("name", "function", "method", "operator", "export", "module", "kind", "scope",
+                 "aliasing")
 
-    def __init__(self, name, function, method, operator, export, module, kind, scope):
+    def __init__(self, name, function, method, operator, export, module, kind, scope, aliasing):
         self.name, self.function, self.method = name, function, method
         self.operator, self.export, self.module = operator, export, module
-        self.kind, self.scope = kind, scope
+        self.kind, self.scope, self.aliasing = kind, scope, aliasing
 
     @property
     def label(self):
@@ -54,19 +67,23 @@ class OpRow:
 
     def __repr__(self):
         extra = f", operator {self.operator!r}" if self.operator else ""
-        return f"<op {self.label} ({self.kind}) from {self.module}{extra}>"
+        return f"<op {self.label} ({self.kind}, {self.aliasing}) from {self.module}{extra}>"
 
 
 cdef dict _registry = {}
 
 
-def register_op(name, function, method=True, operator=None, export=True, *, kind, scope=""):
+def register_op(name, function, method=True, operator=None, export=True, *, kind, scope="",
+                aliasing=None):
     """Register the op `name` of class `kind` (one of KINDS): `mt.name` is `function`
     (unless export=False), and `t.name(*args)` calls `method(t, *args)` (method=True: the
     function itself, whose first argument is the tensor; a callable: that callable, for
     ops whose method takes its arguments in another order; False: no method). With a
     `scope` ("F", "linalg"), the row is that scope's function only (F.<name>): no mt.
-    function, no method. Returns `function`, so it also works as a decorator's body."""
+    function, no method. `aliasing` (one of ALIASINGS) says whether its result is a view
+    of its input, as torch's same op; unsaid, an "inplace" row is "inplace" and any other
+    a "copy" (so a view op must say "view"). Returns `function`, so it also works as a
+    decorator's body."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"register_op: the name must be an identifier, got {name!r}")
     if kind not in KINDS:
@@ -74,6 +91,11 @@ def register_op(name, function, method=True, operator=None, export=True, *, kind
                          f"got {kind!r}")
     if scope not in SCOPES:
         raise ValueError(f"register_op({name!r}): scope must be one of {SCOPES}; got {scope!r}")
+    if aliasing is None:
+        aliasing = "inplace" if kind == "inplace" else "copy"
+    if aliasing not in ALIASINGS:
+        raise ValueError(f"register_op({name!r}): aliasing must be one of "
+                         f"{', '.join(ALIASINGS)}; got {aliasing!r}")
     if not callable(function):
         raise TypeError(f"register_op({name!r}): the function must be callable, "
                         f"got {type(function).__name__}")
@@ -102,21 +124,23 @@ def register_op(name, function, method=True, operator=None, export=True, *, kind
     module = getattr(function, "__module__", None) or "microtensor.core._core"
     if export:
         _export(name, function)
-    _registry[label] = OpRow(name, function, method, operator, bool(export), module, kind, scope)
+    _registry[label] = OpRow(name, function, method, operator, bool(export), module, kind,
+                              scope, aliasing)
     return function
 
 
-def register_ops(kind, namespace, names, method=True, export=True, scope=""):
+def register_ops(kind, namespace, names, method=True, export=True, scope="", aliasing=None):
     """One row of class `kind` for each op in `names` (separated by spaces), each the
     function of that name in `namespace` (the family module's globals()): the block a
-    family written in Python closes with. `method`, `export` and `scope` as for
-    register_op."""
+    family written in Python closes with. `method`, `export`, `scope` and `aliasing` as
+    for register_op."""
     if not isinstance(names, str):
         raise TypeError(f"register_ops: names must be a string of names, got {type(names).__name__}")
     for name in names.split():
         if name not in namespace:
             raise KeyError(f"register_ops({kind!r}): no function {name!r} in the namespace given")
-        register_op(name, namespace[name], method=method, export=export, kind=kind, scope=scope)
+        register_op(name, namespace[name], method=method, export=export, kind=kind, scope=scope,
+                    aliasing=aliasing)
 
 
 cdef _check_export(str name, object function):
@@ -146,18 +170,22 @@ cdef _install_method(str name, object fn):
     PyType_Modified(<PyTypeObject*>Tensor)
 
 
-def registered_ops(kind=None):
-    """The registered ops, in the order they were registered (those of class `kind` only,
-    when given)."""
+def registered_ops(kind=None, aliasing=None):
+    """The registered ops, in the order they were registered (those of class `kind` and
+    of `aliasing` only, when given)."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"registered_ops: kind must be one of {', '.join(KINDS)}; got {kind!r}")
-    return [row for row in _registry.values() if kind is None or row.kind == kind]
+    if aliasing is not None and aliasing not in ALIASINGS:
+        raise ValueError(f"registered_ops: aliasing must be one of {', '.join(ALIASINGS)}; "
+                         f"got {aliasing!r}")
+    return [row for row in _registry.values() if (kind is None or row.kind == kind)
+            and (aliasing is None or row.aliasing == aliasing)]
 
 
-def register_tensor_method(name, fn, *, kind):
+def register_tensor_method(name, fn, *, kind, aliasing=None):
     """A Tensor method that is not an `mt.` function (`t.new_zeros`, `t.masked_fill_`):
     a registry row with export=False."""
-    return register_op(name, fn, export=False, kind=kind)
+    return register_op(name, fn, export=False, kind=kind, aliasing=aliasing)
 
 
 def registered_tensor_methods():

@@ -1,7 +1,7 @@
 # The gradients of slices: a SliceGrad is zero except on grad_input[key] (what the
 # backward of slicing returns), and a _SlicePile keeps the slice gradients one tensor
 # receives until its gradient is complete, then builds them into one buffer. The engine
-# (engine.pxi, included right after this file) adds them up; shape.pxi's IndexBackward
+# (engine.pxi, included right after this file) adds them up; indexing.pxi's IndexBackward
 # makes them.
 
 cdef class SliceGrad:

@@ -92,7 +92,8 @@ def nonzero(input, as_tuple=False):
     idx = np.nonzero(a)
     if as_tuple:
         return tuple(wrap(i.astype(np.int64)) for i in idx)
-    out = np.stack(idx, axis=1).astype(np.int64) if idx else np.zeros((0, 0), np.int64)
+    # (n, ndim) with the n indices of a dim side by side in memory: torch's strides (1, n)
+    out = np.stack(idx).astype(np.int64).T if idx else np.zeros((0, 0), np.int64)
     if t._data.ndim == 0:
         out = out[:, :0]
     return wrap(out)
@@ -154,6 +155,7 @@ def histc(input, bins=100, min=0, max=0):
 # ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
 
 register_ops("pointwise", globals(), "isclose isinf isposinf isneginf logical_xor")
-register_ops("reduction", globals(), """
-    any all count_nonzero allclose equal is_floating_point is_nonzero bincount histc""")
+register_ops("reduction", globals(), "any all count_nonzero bincount histc")
+register_ops("reduction", globals(), "allclose equal is_floating_point is_nonzero",
+             aliasing="none")                  # a Python bool, not a tensor
 register_ops("index", globals(), "nonzero argwhere unique")

@@ -67,6 +67,12 @@ def from_numpy(array):
     if not isinstance(array, np.ndarray):
         raise TypeError(f"from_numpy expects a numpy.ndarray, got {type(array).__name__}")
     _to_array(array, None)                   # the same dtypes as mt.tensor, or TypeError
+    for step in array.strides:
+        if step < 0:                         # torch's refusal: no tensor has a negative stride
+            raise ValueError(
+                "At least one stride in the given numpy array is negative, and tensors with "
+                "negative strides are not supported. (You can work around this by making a "
+                "copy of your array with array.copy().)")
     return Tensor._wrap(array)
 
 

@@ -285,16 +285,20 @@ def meshgrid(*tensors, indexing="ij"):
 # ---- the registry rows -----------------------------------------------------------------
 
 register_ops("creation", globals(), """
-    eye logspace as_tensor randn_like rand_like randint_like empty_like tril_indices
-    triu_indices""", method=False)
+    eye logspace randn_like rand_like randint_like empty_like tril_indices triu_indices""",
+             method=False)
+register_ops("creation", globals(), "as_tensor", method=False, aliasing="view_or_copy")
 register_ops("random", globals(), "normal poisson", method=False)
 register_ops("random", globals(), "bernoulli")
-register_ops("shape", globals(), "broadcast_to")
-register_ops("shape", globals(), """
-    broadcast_shapes broadcast_tensors atleast_1d atleast_2d hstack vstack column_stack
-    meshgrid""", method=False)
+register_ops("shape", globals(), "broadcast_to", aliasing="view")
+register_ops("shape", globals(), "broadcast_tensors atleast_1d atleast_2d meshgrid",
+             method=False, aliasing="view")
+register_ops("shape", globals(), "hstack vstack column_stack", method=False)
+register_ops("shape", globals(), "broadcast_shapes", method=False, aliasing="none")
 # Tensor methods only (torch has no function of these names)
 register_ops("creation", globals(), "new_zeros new_ones new_empty new_full new_tensor",
              export=False)
-register_ops("pointwise", globals(), "type_as half", export=False)
-register_ops("random", globals(), "bernoulli_ exponential_ random_", export=False)
+# the tensor itself when it has the dtype already, as torch's
+register_ops("pointwise", globals(), "type_as half", export=False, aliasing="view_or_copy")
+register_ops("random", globals(), "bernoulli_ exponential_ random_", export=False,
+             aliasing="inplace")

@@ -388,7 +388,7 @@ def _cum_extreme(input, dim, op, better):
             else better(a[i], best)
         idx[i] = np.where(take, i, idx[i - 1])
         best = np.where(take, a[i], best)
-    idx = np.moveaxis(idx, 0, d)
+    idx = np.ascontiguousarray(np.moveaxis(idx, 0, d))     # new memory: C order, as torch
     from microtensor.ops.index import gather
     return _core.MaxResult(gather(t, d, idx), wrap(idx))
 

@@ -2,8 +2,8 @@
 
 Most are compositions of the core's differentiable primitives (getitem, cat, expand,
 permute, reshape), so their gradients come from rules that are already checked:
-gather is an advanced index, flip a negative-step slice, repeat an expand plus a
-reshape. Scatter writes into a copy, so it has its own small node.
+gather is an advanced index, repeat an expand plus a reshape. Scatter writes into a
+copy and flip copies (as torch's), so each has its own small node.
 """
 import builtins
 
@@ -267,7 +267,7 @@ def kthvalue(input, k, dim=-1, keepdim=False):
     if not 1 <= k <= n:
         raise RuntimeError(f"kthvalue(): selected number k={k} out of range for dimension {d}")
     values, indices = topk(t, k, d, largest=False)
-    values = narrow(values, d, k - 1, 1)
+    values = _core.contiguous(narrow(values, d, k - 1, 1))      # new memory, as torch
     indices = indices._data.take([k - 1], axis=d)
     if not keepdim:
         values, indices = _core.squeeze(values, d), indices.squeeze(d)
@@ -276,9 +276,21 @@ def kthvalue(input, k, dim=-1, keepdim=False):
 
 # ---- rearranging -----------------------------------------------------------------------
 
+class FlipBackward(DifferentiableRule):
+    """y = x.flip(dims);  dx = g.flip(dims)"""
+
+    def create_graph(self, g):
+        """y = x.flip(dims);  dx = g.flip(dims)"""
+        return (flip(g, list(self.dims)),)
+
+
+declare_saved(FlipBackward)
+
+
 def flip(input, *dims, **kwargs):
     """Reverse the order along dims: a list, the dims as arguments (t.flip(0, 2)), or the
-    keyword dims= (torch.flip(x, dims=[0]))."""
+    keyword dims= (torch.flip(x, dims=[0])). A copy in the input's layout, as torch's
+    (never a view with negative strides)."""
     t = _tensor(input, "flip")
     if kwargs:
         if set(kwargs) != {"dims"} or dims:
@@ -288,9 +300,22 @@ def flip(input, *dims, **kwargs):
     if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
         dims = dims[0]
     dims = _dims(list(dims), t._data.ndim, "flip")
-    key = tuple(slice(None, None, -1) if a in dims else slice(None)
-                for a in range(t._data.ndim))
-    return _core.getitem(t, key)
+    # astype(copy=True) keeps the input's order of dims in memory, with positive steps
+    out = wrap(np.flip(t._data, dims).astype(t._data.dtype, copy=True))
+    if needs_graph((t,)):
+        node = FlipBackward()
+        node.dims = dims
+        attach(out, node, (t,))
+    return out
+
+
+def _new_memory(out, input):
+    """`out`, or a contiguous copy of it where it shares the input's memory: for the ops
+    torch always copies (roll, repeat, rot90) where a shortcut here (a shift of 0, one
+    repeat) would hand back the input or a view of it."""
+    if not np.may_share_memory(out._data, input._data):
+        return out
+    return out.clone() if out._data.flags.c_contiguous else _core.contiguous(out)
 
 
 def fliplr(input):
@@ -329,7 +354,7 @@ def roll(input, shifts, dims=None):
         head = (slice(None),) * d
         out = _core.cat([_core.getitem(out, head + (slice(n - s, None),)),
                          _core.getitem(out, head + (slice(0, n - s),))], d)
-    return out
+    return _new_memory(out, t)            # a copy even when nothing moved, as torch
 
 
 def repeat(input, *sizes):
@@ -348,7 +373,7 @@ def repeat(input, *sizes):
     interleaved = [v for s in shape for v in (1, s)]
     expanded = [v for r, s in zip(sizes, shape) for v in (r, s)]
     x = _core.expand(_core.reshape(t, *interleaved), *expanded)
-    return _core.reshape(x, *[r * s for r, s in zip(sizes, shape)])
+    return _new_memory(_core.reshape(x, *[r * s for r, s in zip(sizes, shape)]), t)
 
 
 def tile(input, *dims, **kwargs):
@@ -428,13 +453,15 @@ def rot90(input, k=1, dims=(0, 1)):
     if d0 == d1:
         raise RuntimeError(f"rot90: rotation dims must differ, got {dims}")
     k %= 4
+    # torch's composition, so the strides are torch's too: a flip (a copy in the input's
+    # layout), then a transpose of it (a view of that copy)
     if k == 1:
         return _core.transpose(flip(t, [d1]), d0, d1)
     if k == 2:
         return flip(t, [d0, d1])
     if k == 3:
-        return flip(_core.transpose(t, d0, d1), [d1])
-    return t
+        return _core.transpose(flip(t, [d0]), d0, d1)
+    return _new_memory(t, t)                  # k = 0: a contiguous copy, as torch
 
 
 def narrow(input, dim, start, length):
@@ -502,30 +529,11 @@ def t(input):
     return _core.transpose(x, 0, 1) if x._data.ndim == 2 else x
 
 
-def diagonal(input, offset=0, dim1=0, dim2=1):
-    """The diagonal of the (dim1, dim2) planes, as the last dim (an advanced index)."""
-    x = _tensor(input, "diagonal")
-    n = x._data.ndim
-    d1, d2 = _dim(dim1, n, "diagonal"), _dim(dim2, n, "diagonal")
-    if d1 == d2:
-        raise RuntimeError(f"diagonal(): dim1 and dim2 cannot be identical, got {d1}")
-    rest = [a for a in range(n) if a not in (d1, d2)]
-    x = _core.permute(x, *rest, d1, d2)
-    rows, cols = x._data.shape[-2], x._data.shape[-1]
-    r0, c0 = (0, offset) if offset >= 0 else (-offset, 0)
-    length = builtins.max(0, builtins.min(rows - r0, cols - c0))
-    i = np.arange(length)
-    return _core.getitem(x, (Ellipsis, r0 + i, c0 + i))
-
-
-_diagonal = diagonal
-
-
 def diag(input, diagonal=0):
     """1-D -> a square matrix with it on the diagonal-th diagonal; 2-D -> that diagonal."""
     x = _tensor(input, "diag")
     if x._data.ndim == 2:
-        return _diagonal(x, diagonal)
+        return _core.diagonal(x, diagonal).clone()     # a copy, as torch's diag
     if x._data.ndim != 1:
         raise RuntimeError(f"diag(): matrix or a vector expected, got {x._data.ndim}-D")
     n, k = x._data.shape[0], int(diagonal)
@@ -542,16 +550,16 @@ def trace(input):
     x = _tensor(input, "trace")
     if x._data.ndim != 2:
         raise RuntimeError(f"trace(): expected a matrix, got a {x._data.ndim}-D tensor")
-    return _core.sum(diagonal(x))
+    return _core.sum(_core.diagonal(x))
 
 
 # ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
 
+# (diagonal, a view, is the core's: ops/shape.pxi)
 register_ops("index", globals(), """
-    gather take_along_dim take scatter scatter_add index_add index_fill masked_select
-    diagonal diag""")
+    gather take_along_dim take scatter scatter_add index_add index_fill masked_select diag""")
 register_ops("reduction", globals(), "sort argsort msort topk kthvalue trace")
+register_ops("shape", globals(), "rot90 flip fliplr flipud roll tile repeat_interleave")
 register_ops("shape", globals(), """
-    tensor_split rot90 flip fliplr flipud roll tile repeat_interleave narrow select unbind
-    movedim moveaxis swapaxes swapdims t""")
+    tensor_split narrow select unbind movedim moveaxis swapaxes swapdims t""", aliasing="view")
 register_ops("shape", globals(), "repeat", export=False)    # torch has no torch.repeat

@@ -117,4 +117,5 @@ for _name, _fn in _OUT_OF_PLACE.items():
     register_op(_name, _inplace(_name, _fn), export=False, kind="inplace")
 del _name, _fn
 register_ops("inplace", globals(), "fill_diagonal_ apply_ share_memory_", export=False)
-register_ops("shape", globals(), "data_ptr stride", export=False)    # where the elements sit
+register_ops("shape", globals(), "data_ptr stride", export=False,     # where the elements sit
+             aliasing="none")

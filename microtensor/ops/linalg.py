@@ -14,7 +14,7 @@ import microtensor.core._core as _core
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_op, register_ops
 from microtensor.autograd.graph_rules import _keepdim, _const, DifferentiableRule
 from microtensor.ops._common import _tensor, _dim, _dims, _float, declare_saved
-from microtensor.ops.index import diagonal
+from microtensor.core._core import diagonal
 
 
 # ---- matrix products -------------------------------------------------------------------
@@ -413,7 +413,9 @@ def cdist(x1, x2, p=2.0):
 # ---- the registry rows: mt.<name>, and t.<name>(...) calling fn(t, ...) ----------------
 
 register_ops("matmul", globals(), "mm bmm mv dot vdot inner outer ger baddbmm kron")
-register_ops("matmul", globals(), "einsum tensordot", method=False)
+register_ops("matmul", globals(), "tensordot", method=False)
+# einsum of one operand that only moves or picks dims ("ij->ji", "ii->i") is a view, as torch's
+register_ops("matmul", globals(), "einsum", method=False, aliasing="view_or_copy")
 register_ops("reduction", globals(), "norm dist")
 register_ops("reduction", globals(), "cdist", method=False)
 register_ops("pointwise", globals(), "cross")

@@ -300,7 +300,7 @@ def where(condition, input=None, other=None):
     c = _operand(condition)
     if input is None and other is None:
         capture_read(condition, "mt.where(condition) (a shape read from the values)")
-        return tuple(Tensor._wrap(i) for i in np.nonzero(c))
+        return tuple(Tensor._wrap(np.ascontiguousarray(i)) for i in np.nonzero(c))
     if not isinstance(c, np.ndarray) or c.dtype != bool_:
         c = np.asarray(c).astype(bool_)
     x, y = _operand(input), _operand(other)

@@ -1,5 +1,17 @@
 # Shape ops: views and copies that move elements around. Backward moves the gradient
-# back the same way.
+# back the same way. Which are views and which copies is torch's choice, op by op (each
+# registry row says which); a view's strides are torch's too, size-1 dims included, and
+# no tensor here ever has a negative stride (a negative step copies).
+
+from numpy.lib.stride_tricks import as_strided as _as_strided
+
+
+cdef object _restride(object a, tuple strides):
+    """`a` with these byte strides, which differ from a's only on size-1 dims (where a
+    stride moves nothing): the strides torch reports there, not numpy's."""
+    if a.strides == strides:
+        return a
+    return _as_strided(a, a.shape, strides)
 
 cdef tuple _shape_from_args(tuple args):
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
@@ -100,8 +112,14 @@ def flatten(x, start_dim=0, end_dim=-1):
 def unsqueeze(x, dim):
     cdef Tensor t = _t(x)
     cdef int d = _norm_dim(dim, t._data.ndim + 1)
-    shp = t._data.shape
-    return reshape(t, shp[:d] + (1,) + shp[d:])
+    a = t._data
+    shp = a.shape
+    cdef Tensor res = reshape(t, shp[:d] + (1,) + shp[d:])
+    # torch's stride for the new dim: the size times the step of the dim it lands before
+    # (the itemsize at the end); numpy's reshape may say otherwise on a strided input
+    step = shp[d] * a.strides[d] if d < a.ndim else a.itemsize
+    res._data = _restride(res._data, a.strides[:d] + (step,) + a.strides[d:])
+    return res
 
 
 def squeeze(x, dim=None):
@@ -176,6 +194,22 @@ cdef class ExpandBackward(Node):
         return (_sum_to(g, self.shape),)
 
 
+cdef tuple _expand_strides(object a, tuple shape):
+    """The byte strides torch gives a's expansion to `shape`: 0 on every dim that grows,
+    the input's own step on the others, and on a new leading dim of size 1 the size times
+    the step of the dim after it (a 0-d input: all 0)."""
+    cdef Py_ssize_t n = len(shape), lead = n - a.ndim, i
+    if a.ndim == 0:
+        return (0,) * n
+    strides = [0] * n
+    for i in range(n - 1, -1, -1):
+        if i >= lead:
+            strides[i] = 0 if a.shape[i - lead] != shape[i] else a.strides[i - lead]
+        else:
+            strides[i] = 0 if shape[i] != 1 else shape[i + 1] * strides[i + 1]
+    return tuple(strides)
+
+
 def expand(x, *sizes):
     cdef Tensor t = _t(x)
     cdef tuple target = _shape_from_args(sizes)
@@ -193,7 +227,11 @@ def expand(x, *sizes):
         elif i >= lead and shp[i - lead] != 1 and shp[i - lead] != s:
             raise ShapeError(f"expand: the expanded size {s} must match the existing size "
                              f"{shp[i - lead]} at dim {i} (shape {shp} -> {target})")
-    cdef Tensor res = Tensor._wrap(np.broadcast_to(t._data, tuple(resolved)))
+    strides = _expand_strides(t._data, tuple(resolved))
+    # read-only where elements repeat (a write there is ambiguous: torch refuses it too)
+    overlapping = _builtins.any(s == 0 and n > 1 for s, n in zip(strides, resolved))
+    cdef Tensor res = Tensor._wrap(_as_strided(t._data, tuple(resolved), strides,
+                                               writeable=not overlapping))
     _share_version(res, t)
     cdef ExpandBackward node
     if _grad_on() and t._requires_grad:
@@ -323,6 +361,72 @@ def stack(tensors, dim=0):
     return cat([unsqueeze(tt, d) for tt in tensors], d)
 
 
+cdef tuple _diagonal_geometry(tuple shape, int offset, int d1, int d2):
+    """(first row, first column, length) of the offset-th diagonal of the (d1, d2) planes."""
+    cdef int r0 = 0 if offset >= 0 else -offset, c0 = offset if offset >= 0 else 0
+    return r0, c0, _builtins.max(0, _builtins.min(shape[d1] - r0, shape[d2] - c0))
+
+
+cdef object _diagonal_view(object a, int offset, int d1, int d2):
+    """A writable view of a's diagonal (numpy's np.diagonal is read-only): the other dims,
+    then the diagonal with the step of a row plus a column, as torch."""
+    r0, c0, n = _diagonal_geometry(a.shape, offset, d1, d2)
+    rest = [k for k in range(a.ndim) if k != d1 and k != d2]
+    start = a[tuple(slice(r0, None) if k == d1 else slice(c0, None) if k == d2 else slice(None)
+                    for k in range(a.ndim))] if n else a
+    return _as_strided(start, tuple(a.shape[k] for k in rest) + (n,),
+                       tuple(a.strides[k] for k in rest) + (a.strides[d1] + a.strides[d2],))
+
+
+cdef class DiagonalBackward(Node):
+    """y = x.diagonal(offset, dim1, dim2);  dx = zeros, with g on that diagonal"""
+    cdef readonly tuple shape
+    cdef readonly object dtype
+    cdef readonly int offset, dim1, dim2
+    cpdef tuple backward(self, g):
+        dx = np.zeros(self.shape, dtype=self.dtype)
+        _diagonal_view(dx, self.offset, self.dim1, self.dim2)[...] = g
+        return (dx,)
+
+    def create_graph(self, g):
+        """y = x.diagonal(offset, dim1, dim2);  dx = zeros, with g on that diagonal"""
+        # built in the layout (other dims, dim1, dim2), where the diagonal is the last
+        # two index arrays, then permuted back
+        n = len(self.shape)
+        rest = [k for k in range(n) if k != self.dim1 and k != self.dim2]
+        order = rest + [self.dim1, self.dim2]
+        r0, c0, length = _diagonal_geometry(self.shape, self.offset, self.dim1, self.dim2)
+        i = np.arange(length)
+        planes = add_at(g, (Ellipsis, r0 + i, c0 + i),
+                        tuple(self.shape[k] for k in order), False)
+        inverse = [0] * n
+        for k in range(n):
+            inverse[order[k]] = k
+        return (permute(planes, tuple(inverse)),)
+
+
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    """The offset-th diagonal of the (dim1, dim2) planes, as the last dim: a view (writes
+    through it reach x), as torch's."""
+    cdef Tensor t = _t(x)
+    cdef int n = t._data.ndim
+    if n < 2:
+        raise IndexError(f"diagonal(): expected a tensor of at least 2 dims, got shape "
+                         f"{t._data.shape}")
+    cdef int d1 = _norm_dim(dim1, n), d2 = _norm_dim(dim2, n)
+    if d1 == d2:
+        raise ArgumentError(f"diagonal(): dim1 and dim2 cannot be identical, got {d1}")
+    cdef Tensor res = Tensor._wrap(_diagonal_view(t._data, int(offset), d1, d2))
+    _share_version(res, t)
+    cdef DiagonalBackward node
+    if _grad_on() and t._requires_grad:
+        node = DiagonalBackward.__new__(DiagonalBackward)
+        node.shape, node.dtype = t._data.shape, t._data.dtype
+        node.offset, node.dim1, node.dim2 = int(offset), d1, d2
+        _attach(res, node, (t,))
+    return res
+
+
 cdef class TrilBackward(Node):
     """y = tril(x, k) (or triu);  dx = tril(g, k)"""
     cdef readonly int k
@@ -357,185 +461,39 @@ def triu(x, diagonal=0):
     return _tri(x, diagonal, True)
 
 
-# ---- indexing ------------------------------------------------------------------
-
-cdef object _index_key(object key):
-    """Tensors and lists inside an index become numpy arrays."""
-    if isinstance(key, tuple):
-        return tuple(_index_part(k) for k in key)
-    return _index_part(key)
-
-
-cdef object _index_part(object k):
-    if isinstance(k, Tensor):
-        a = (<Tensor>k)._data
-        if a.dtype.kind == "f":
-            raise IndexError("tensors used as indices must be long, int or bool, got float")
-        return a if a.ndim else a.item()
-    if isinstance(k, list):
-        a = np.asarray(k)
-        if a.dtype.kind == "f":
-            raise IndexError("lists used as indices must hold integers or bools")
-        return a
-    return k
-
-
-cdef bint _is_basic(object key):
-    if isinstance(key, tuple):
-        for k in key:
-            if isinstance(k, np.ndarray):
-                return False
-        return True
-    return not isinstance(key, np.ndarray)
-
-
-cdef class IndexBackward(Node):
-    """y = x[key];  dx = zeros, then dx[key] += g (repeated indices accumulate)"""
-    cdef readonly object key
-    cdef readonly tuple shape
-    cdef readonly object dtype
-    cdef readonly bint basic
-    cpdef tuple backward(self, g):
-        key = self.key
-        if self.basic:
-            return (SliceGrad(key, g, self.shape, self.dtype),)
-        dinp = np.zeros(self.shape, dtype=self.dtype)
-        if isinstance(key, np.ndarray) and key.dtype == int64 and key.ndim == 1 \
-                and dinp.ndim >= 1 and (self.dtype == float32 or self.dtype == float64):
-            # the common gather of rows: a Cython scatter-add kernel
-            idx = np.where(key < 0, key + self.shape[0], key)
-            if idx.size and (idx.min() < 0 or idx.max() >= self.shape[0]):
-                raise IndexError(f"index out of range in backward of indexing (size {self.shape[0]})")
-            rows = dinp.reshape(self.shape[0], -1)
-            scatter_add_rows(rows, idx, _contig(g).reshape(len(idx), -1))
-        else:
-            np.add.at(dinp, key, g)
-        return (dinp,)
-
-    cpdef release(self):
-        self.key = None
-
-    def create_graph(self, g):
-        """y = x[key];  dx = zeros, then dx[key] += g"""
-        return (add_at(g, self.key, self.shape, self.basic),)
-
-
-cdef bint _ints_beside_arrays(object key):
-    """A tuple index holding both plain ints and index arrays (and nothing that moves dims:
-    no None, no Ellipsis, no bool masks). numpy counts the ints as advanced indices, so
-    x[i, :, idx] would put idx's dims first; torch applies the ints first (a select)."""
-    if not isinstance(key, tuple):
-        return False
-    cdef bint has_int = False, has_array = False
-    for k in key:
-        if k is None or k is Ellipsis:
-            return False
-        if isinstance(k, np.ndarray):
-            if k.dtype == bool_:
-                return False
-            has_array = True
-        elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
-            has_int = True
-    return has_int and has_array
-
-
-cdef tuple _select_then_gather(tuple key):
-    """torch's order for a key of ints beside index arrays: (select, gather). The select
-    applies the ints and slices (the arrays' dims kept whole); the gather applies the
-    arrays to what is left, every other dim kept whole (its slice is already applied)."""
-    first = tuple(slice(None) if isinstance(k, np.ndarray) else k for k in key)
-    rest = tuple(k if isinstance(k, np.ndarray) else slice(None) for k in key
-                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)))
-    return first, rest
-
-
-cdef bint _is_mask(object k):
-    if isinstance(k, Tensor):                   # a 0-d one too: x[t] keeps 1 or 0 rows
-        return (<Tensor>k)._data.dtype == bool_
-    return isinstance(k, np.ndarray) and k.dtype == bool_ and k.ndim > 0
-
-
-cdef bint _has_mask(object key):
-    """Whether an index key (before _index_key) holds a boolean tensor or array: its
-    result's shape is read from the values."""
-    if isinstance(key, tuple):
-        for k in key:
-            if _is_mask(k):
-                return True
-        return False
-    return _is_mask(key)
-
-
-def getitem(x, key):
-    cdef Tensor t = _t(x)
-    if _capture_hook is not None and _has_mask(key):
-        _capture_hook(t, "indexing with a boolean mask (a shape read from the values)")
-    key = _index_key(key)
-    if _ints_beside_arrays(key):
-        first, rest = _select_then_gather(key)
-        return getitem(getitem(t, first), rest)
-    try:
-        out = t._data[key]
-    except IndexError as e:
-        raise IndexError(f"{e} (indexing a tensor of shape {t._data.shape})") from None
-    if not isinstance(out, np.ndarray):
-        out = np.asarray(out)
-    cdef Tensor res = Tensor._wrap(out)
-    cdef bint basic = _is_basic(key)
-    if basic:
-        _share_version(res, t)
-    cdef IndexBackward node
-    if _grad_on() and t._requires_grad:
-        node = IndexBackward.__new__(IndexBackward)
-        # index arrays are copied: the caller may change its index tensor before backward
-        node.key = key if basic else _own_key(key)
-        node.shape, node.dtype = t._data.shape, t._data.dtype
-        node.basic = basic
-        _attach(res, node, (t,))
-    return res
-
-
-cdef object _own_key(object key):
-    if isinstance(key, tuple):
-        return tuple(k.copy() if isinstance(k, np.ndarray) else k for k in key)
-    return key.copy() if isinstance(key, np.ndarray) else key
-
-
-def index_select(x, dim, index):
-    cdef Tensor t = _t(x)
-    d = _norm_dim(dim, t._data.ndim)
-    return getitem(t, (slice(None),) * d + (index,))
-
-
 # which tensors each rule reads in backward (version checks): none for pure data movement
 declare_saved(ReshapeBackward)
 declare_saved(PermuteBackward)
 declare_saved(ExpandBackward)
 declare_saved(CatBackward)
 declare_saved(TrilBackward)
-declare_saved(IndexBackward)
+declare_saved(DiagonalBackward)
 
 
-# the registry rows of this file: mt.<name> and t.<name>() (core/registry.pxi); the *_as
-# methods take their shape from another tensor, as torch's
-register_op("reshape", reshape, kind="shape")
-register_op("view", view, kind="shape")
-register_op("flatten", flatten, kind="shape")
-register_op("unsqueeze", unsqueeze, kind="shape")
-register_op("squeeze", squeeze, kind="shape")
-register_op("permute", permute, kind="shape")
-register_op("transpose", transpose, kind="shape")
-register_op("expand", expand, kind="shape")
-register_op("contiguous", contiguous, kind="shape")
-register_op("split", split, kind="shape")
-register_op("chunk", chunk, kind="shape")
+# the registry rows of this file: mt.<name> and t.<name>() (core/registry.pxi), each a
+# view or a copy as torch's same op; the *_as methods take their shape from another
+# tensor, as torch's
+register_op("reshape", reshape, kind="shape", aliasing="view_or_copy")
+register_op("view", view, kind="shape", aliasing="view")
+register_op("flatten", flatten, kind="shape", aliasing="view_or_copy")
+register_op("unsqueeze", unsqueeze, kind="shape", aliasing="view")
+register_op("squeeze", squeeze, kind="shape", aliasing="view")
+register_op("permute", permute, kind="shape", aliasing="view")
+register_op("transpose", transpose, kind="shape", aliasing="view")
+register_op("expand", expand, kind="shape", aliasing="view")
+register_op("contiguous", contiguous, kind="shape", aliasing="view_or_copy")
+register_op("split", split, kind="shape", aliasing="view")
+register_op("chunk", chunk, kind="shape", aliasing="view")
 register_op("cat", cat, method=False, kind="shape")
 register_op("stack", stack, method=False, kind="shape")
 register_op("tril", tril, kind="pointwise")
 register_op("triu", triu, kind="pointwise")
-register_op("getitem", getitem, method=False, operator="[]", kind="index")
-register_op("index_select", index_select, kind="index")
-register_tensor_method("view_as", lambda self, other: reshape(self, other.shape), kind="shape")
-register_tensor_method("reshape_as", lambda self, other: reshape(self, other.shape), kind="shape")
-register_tensor_method("expand_as", lambda self, other: expand(self, other.shape), kind="shape")
-register_tensor_method("is_contiguous", lambda self: self._data.flags.c_contiguous, kind="shape")
+register_op("diagonal", diagonal, kind="index", aliasing="view")
+register_tensor_method("view_as", lambda self, other: view(self, other.shape), kind="shape",
+                       aliasing="view")
+register_tensor_method("reshape_as", lambda self, other: reshape(self, other.shape), kind="shape",
+                       aliasing="view_or_copy")
+register_tensor_method("expand_as", lambda self, other: expand(self, other.shape), kind="shape",
+                       aliasing="view")
+register_tensor_method("is_contiguous", lambda self: self._data.flags.c_contiguous, kind="shape",
+                       aliasing="none")
