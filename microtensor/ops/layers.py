@@ -221,4 +221,5 @@ def _dropout_in_place(x, out, mask, watched):
 
 _core.register_op("linear", linear, kind="matmul", scope="F")
 _core.register_op("embedding", embedding, kind="index", scope="F")
-_core.register_op("dropout", dropout, kind="random", scope="F")
+_core.register_op("dropout", dropout, kind="random", scope="F",
+                  aliasing="view_or_copy")     # its input itself when p == 0 or not training
