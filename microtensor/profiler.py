@@ -29,7 +29,6 @@ the engine's traversal and gradient accumulation. The wrappers themselves cost a
 a microsecond per op, which lands in that overhead; `wrapper_cost()` measures it.
 """
 import contextlib
-import functools
 import time
 
 from microtensor.core import _core
@@ -85,13 +84,7 @@ class Profiler:
             finally:
                 prof._record(label, clock() - t0)
                 prof._depth = 0
-        # NOTE: the wrapper passes for the function it wraps: its name, qualified name,
-        # module and docstring (so pickle, which finds a function by module and qualified
-        # name, finds the wrapper there while it is patched in, and stores a reference)
-        functools.update_wrapper(timed, fn)
-        if not hasattr(fn, "__name__"):
-            timed.__name__ = timed.__qualname__ = label
-        return timed
+        return _intercept.stand_in(timed, fn, label)
 
     def _backward_hook(self, node, grad):
         clock = time.perf_counter

@@ -196,3 +196,20 @@ def test_profiler_wrappers_pass_for_the_functions_they_wrap():
     for name, get in functions.items():
         assert get() is originals[name]
         assert pickle.loads(pickle.dumps(get())) is originals[name]
+
+
+def test_the_recorders_wrappers_pass_for_the_functions_they_wrap_too():
+    # mt.compile's recording wraps the same ops the same way (capture/recorder.py)
+    from microtensor.capture import recorder
+    from microtensor.ops import _intercept
+    original = F.linear
+    undo = _intercept.patch_ops(recorder._dispatch, skip=("set_grad_enabled_",))
+    try:
+        wrapper = F.linear
+        assert wrapper is not original and wrapper.__wrapped__ is original
+        for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
+            assert getattr(wrapper, attr) == getattr(original, attr), attr
+        assert pickle.loads(pickle.dumps(wrapper)) is wrapper
+    finally:
+        _intercept.unpatch(undo)
+    assert F.linear is original

@@ -130,10 +130,7 @@ def _dispatch(label, fn):
         if len(_open) > 1:
             _foreign(label, recorder)
         return recorder.call(label, fn, args, kwargs)
-    recorded.__name__ = getattr(fn, "__name__", label)
-    recorded.__doc__ = getattr(fn, "__doc__", None)
-    recorded.__wrapped__ = fn
-    return recorded
+    return _intercept.stand_in(recorded, fn, label)
 
 
 def _guarded(call, attributes):

@@ -10,6 +10,7 @@ registry installed (t.exp() reaches the op without a module lookup). Operators n
 nothing more: `a + b` calls the module-level `add` of the core. `unpatch` puts every
 original back.
 """
+import functools
 import sys
 
 from microtensor.core import _core
@@ -82,6 +83,16 @@ def op_functions(skip=CREATION_AND_STATE):
                 continue  # re-exported from elsewhere: wrapped there
             ops[f"{prefix}{name}"] = (module, name, obj)
     return ops
+
+
+def stand_in(wrapper, fn, label):
+    """Make `wrapper` pass for `fn`: its name, qualified name, module and docstring, and
+    `__wrapped__`. So pickle, which finds a function by module and qualified name, finds
+    the wrapper there while it is patched in and stores a reference to `fn`'s place."""
+    functools.update_wrapper(wrapper, fn)
+    if not hasattr(fn, "__name__"):
+        wrapper.__name__ = wrapper.__qualname__ = label
+    return wrapper
 
 
 _METHOD = object()       # marks a patched Tensor method in the undo list
