@@ -3,7 +3,7 @@ import numpy as np
 
 from microtensor.core._core import Parameter, wrap, as_dtype
 from microtensor.ops.creation_extra import _check_device
-from microtensor.ops import functional_extra as FX
+from microtensor.nn import functional as F
 from microtensor.nn.module import Module
 
 __all__ = ["BatchNorm1d"]
@@ -49,7 +49,7 @@ class BatchNorm1d(Module):
             self.num_batches_tracked.add_(1)
             if self.momentum is None:           # a cumulative average over the batches seen
                 momentum = 1.0 / float(self.num_batches_tracked.item())
-        return FX.batch_norm(input, self.running_mean if self.track_running_stats else None,
+        return F.batch_norm(input, self.running_mean if self.track_running_stats else None,
                              self.running_var if self.track_running_stats else None,
                              self.weight, self.bias, training, momentum, self.eps)
 

@@ -1,7 +1,7 @@
 """F's layers: linear, embedding and dropout, each a forward function right below its
 Backward node, whose first docstring line states the math. `mt.nn.functional` hands them
 on with the other families (ops/activations.py, normalization.py, losses.py,
-attention.py, functional_extra.py, rope.py); the kernels every op runs are
+attention.py, distance.py, padding.py, rope.py); the kernels every op runs are
 `_kernels.fused` and `_kernels.attention`, the widest build the CPU runs.
 """
 import math
