@@ -19,9 +19,7 @@ from microtensor.nn import utils
 from microtensor.nn import parallel
 from microtensor.nn.module import Module, StateDictError
 from microtensor.nn.containers import Sequential, ModuleList, ModuleDict
-from microtensor.nn.layers import (
-    Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU, Tanh, Identity,
-)
+from microtensor.nn.layers import Linear, Embedding, Dropout, ReLU, GELU, SiLU, Tanh, Identity
 from microtensor.nn.activations import (
     Sigmoid, Softmax, LogSoftmax, Softmin, LeakyReLU, ELU, SELU, CELU, Softplus, Mish,
     Hardtanh, ReLU6, Hardsigmoid, Hardswish, LogSigmoid, Softsign, Tanhshrink, GLU, Flatten,
@@ -31,7 +29,7 @@ from microtensor.nn.losses import (
     CrossEntropyLoss, NLLLoss, MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss,
     BCEWithLogitsLoss, KLDivLoss,
 )
-from microtensor.nn.normalization import BatchNorm1d
+from microtensor.nn.normalization import LayerNorm, RMSNorm, BatchNorm1d
 from microtensor import profiler as _profiler
 
 # F's ops are registry rows (scope "F"): the profiler times them and mt.compile records
