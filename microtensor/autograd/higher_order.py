@@ -35,7 +35,7 @@ import microtensor.core._core as C
 from microtensor.core._core import Tensor, Node, wrap, attach
 # where a rule is found, and the helpers the rules share
 from microtensor.autograd.graph_rules import (  # noqa: F401
-    rule_for, IndexAddBackward, add_at, _wants, _live, _sum_to, _keepdim,
+    rule_for, IndexAddBackward, add_at, _wants, _live, _keepdim,
     _const, _through_primitives, _reroot,
 )
 

@@ -105,7 +105,3 @@ def _wants_grad(node, i):
 def _check_reduction(reduction):
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-
-
-# broadcasting is undone in one place, the core's unbroadcast()
-_unbroadcast = _core.sum_to_shape

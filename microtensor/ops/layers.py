@@ -15,7 +15,7 @@ from microtensor.autograd.graph_rules import FusedNode
 from microtensor.ops._functional_common import (  # noqa: F401
     declare_saved, _cpu_has_avx2_fma, DtypeError, _tensor, _float_array,
     _same_dtype, _contig, _owned_indices, _grad_as, _PARALLEL_MIN, _PARALLEL_MIN_MEMORY_BOUND,
-    _threads, _wants_grad, _check_reduction, _unbroadcast,
+    _threads, _wants_grad, _check_reduction,
 )
 
 from microtensor.ops import _kernels  # the build of the fused kernels every op reads

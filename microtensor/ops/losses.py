@@ -10,7 +10,7 @@ import numpy as np
 
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError, register_ops
 import microtensor.core._core as _core
-from microtensor.autograd.graph_rules import _wants, _sum_to, _const, DifferentiableRule
+from microtensor.autograd.graph_rules import _wants, _const, DifferentiableRule
 from microtensor.ops.activations import softmax, log_softmax
 from microtensor.ops import _kernels
 from microtensor.core._core import ArgumentError
@@ -18,7 +18,7 @@ from microtensor.ops import extra as _ops
 from microtensor.ops._common import _tensor
 from microtensor.ops._functional_common import (
     DtypeError, declare_saved, _float_array, _contig, _owned_indices, _threads,
-    _wants_grad, _check_reduction, _unbroadcast,
+    _wants_grad, _check_reduction,
 )
 
 
@@ -356,8 +356,7 @@ class MSELossBackward(DifferentiableRule):
             # (an empty input has an empty gradient: no division by its size of 0)
             n = max(diff.numel(), 1) if self.reduction == "mean" else 1
             d = _core.mul(diff, _core.mul(g, 2.0 / n))
-        return (_sum_to(d, self.a_shape) if _wants(self, 0) else None,
-                _core.neg(_sum_to(d, self.b_shape)) if _wants(self, 1) else None)
+        return (d if _wants(self, 0) else None, _core.neg(d) if _wants(self, 1) else None)
 
 
 declare_saved(MSELossBackward, 0, 1)
@@ -384,7 +383,7 @@ def mse_loss(input, target, reduction="mean"):
     inputs = (input, target)
     if needs_graph(inputs):
         node = MSELossBackward()
-        node.reduction, node.a_shape, node.b_shape = reduction, a.shape, b.shape
+        node.reduction = reduction
         attach(out, node, inputs)
     return out
 

@@ -166,14 +166,14 @@ def transpose(x, dim0, dim1):
 
 
 cdef class ExpandBackward(Node):
-    """y = x.expand(sizes);  dx = unbroadcast(g)"""
-    cdef readonly tuple shape
+    """y = x.expand(sizes);  dx = g, summed over the expanded dims (the engine's sum to
+    x's shape, as for every broadcast)"""
     cpdef tuple backward(self, g):
-        return (unbroadcast(g, self.shape),)
+        return (g,)
 
     def create_graph(self, g):
-        """y = x.expand(sizes);  dx = unbroadcast(g)"""
-        return (_sum_to(g, self.shape),)
+        """y = x.expand(sizes);  dx = g, summed to x's shape by the engine"""
+        return (g,)
 
 
 def expand(x, *sizes):
@@ -195,11 +195,8 @@ def expand(x, *sizes):
                              f"{shp[i - lead]} at dim {i} (shape {shp} -> {target})")
     cdef Tensor res = Tensor._wrap(np.broadcast_to(t._data, tuple(resolved)))
     _share_version(res, t)
-    cdef ExpandBackward node
     if _grad_on() and t._requires_grad:
-        node = ExpandBackward.__new__(ExpandBackward)
-        node.shape = shp
-        _attach(res, node, (t,))
+        _attach(res, ExpandBackward.__new__(ExpandBackward), (t,))
     return res
 
 
