@@ -84,7 +84,7 @@ def machine():
     near 100%) depend on the CPU's vector code, so each figure says where it was taken."""
     m = dict(load_average=round(os.getloadavg()[0], 1), cpus=os.cpu_count())
     try:
-        from microtensor.runtime.buildinfo import cpu_model
+        from microtensor.buildinfo import cpu_model
         from microtensor.threads import default_num_threads
     except ImportError:       # the examples' microtensor is not this process's: say less
         return m

@@ -330,8 +330,8 @@ class Function:
             args, kwargs = _bind(cls, args, kwargs, setup)
         # under mt.compile one call is one record: the replay runs forward and attaches
         # the node again (microtensor/capture/recorder.py)
-        return _capture.record_call(f"{cls.__name__}.apply", _apply,
-                                    (cls, tuple(kwargs.items())) + tuple(args))
+        return _record_call(f"{cls.__name__}.apply", _apply,
+                            (cls, tuple(kwargs.items())) + tuple(args))
 
 
 def _has_setup_context(cls):
@@ -463,4 +463,14 @@ def _attach_several(node, call, fresh, diff, inputs):
     return outputs
 
 
-from microtensor.capture import recorder as _capture  # noqa: E402  (capture wraps ops)
+def _record_call(label, fn, args):
+    """fn(*args); mt.compile's recorder takes this place (set_call_recorder), so that one
+    apply is one recorded call. The capture is a layer above autograd: the package's
+    __init__ wires it in, autograd never imports it."""
+    return fn(*args)
+
+
+def set_call_recorder(record_call):
+    """Route every Function.apply through record_call(label, fn, args) (the capture's)."""
+    global _record_call
+    _record_call = record_call

@@ -30,11 +30,10 @@ from microtensor.nn.losses import (
     BCEWithLogitsLoss, KLDivLoss,
 )
 from microtensor.nn.normalization import LayerNorm, RMSNorm, BatchNorm1d
-from microtensor import profiler as _profiler
 
 # F's ops are registry rows (scope "F"): the profiler times them and mt.compile records
-# them by their rows; nn.init's fills are registered here
-_profiler.register_ops(init, "nn.init.")    # random draws: a replay draws again
+# them by their rows; nn.init's fills are registered with the profiler by the package's
+# __init__ (the profiler is a layer above nn)
 # mt.compile replays a plan only while each module it called has the training flag it
 # had when recorded
 from microtensor import capture as _capture  # noqa: E402
