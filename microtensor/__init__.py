@@ -56,7 +56,7 @@ from microtensor.core._core import (
     set_num_threads, get_num_threads, register_op, registered_ops,
 )
 # The core's ops (mt.add, mt.exp, mt.matmul, ...) are not listed here: each op's registry
-# row (register_op, beside its rule in the core's ops_*.pxi) made it a function of this
+# row (register_op, beside its rule in ops/*.pxi, compiled into the core) made it a function of this
 # package, and a Tensor method, when the core was imported above.
 from microtensor.core.dtypes import (
     dtype, device, float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8,

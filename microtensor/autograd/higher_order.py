@@ -17,10 +17,11 @@ node saved in forward are fine for constants only: masks, indices, shapes, expon
 first derivative and a silently wrong second one; tests/test_higher_order.py shows that
 gradgradcheck catches exactly that.)
 
-Most rules are the node's own backward formula with numpy swapped for tensor ops. Three
-fused ops (layer_norm, rms_norm, scaled_dot_product_attention) have long backward
-formulas; their rules run the op's forward again as primitives and differentiate that
-(`_through_primitives`), which is slower but short and obviously right. An
+Most rules are the node's own backward formula with numpy swapped for tensor ops. Every
+fused op (a FusedNode: linear, embedding, dropout, gelu, silu, layer_norm, rms_norm,
+attention, rope, cumprod, ...) has no hand-written rule: its rule runs the op's declared
+composite again as primitives and differentiates that (`_through_primitives`), which is
+slower but short and obviously right. An
 mt.autograd.Function runs its own backward with grad mode on (its `create_graph`
 method, in autograd/function.py), so it is as differentiable as the ops it is written
 with; a node with no rule at all is once differentiable: its gradient is correct, and

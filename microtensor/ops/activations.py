@@ -1,7 +1,7 @@
 """F's activations: relu, sigmoid and tanh (the core's ops under torch's names),
 softmax and log_softmax along any dim, gelu (exact or tanh) and silu; the last four
 are one fused node each, the Backward node right above its forward function.
-The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.fused` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
 import numpy as np

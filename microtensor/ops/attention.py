@@ -1,7 +1,7 @@
 """F.scaled_dot_product_attention: one fused node over blocks of query rows, with a
 bool or float mask (broadcast over batch dims without being expanded), is_causal,
 dropout and a custom scale; the Backward node sits right above the forward function.
-The kernels are read from `_kernels.attention` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.attention` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
 import math

@@ -24,7 +24,7 @@ _LN10 = math.log(10.0)
 _SQRT_PI = math.sqrt(math.pi)
 
 
-# helpers shared by the ops_* modules (imported from here by the others, too)
+# helpers shared by the op families of ops/ (imported from here by the others, too)
 from microtensor.ops._common import _tensor, _dim, _dims, _float, _array, declare_saved  # noqa: E402,F401
 
 

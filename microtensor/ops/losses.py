@@ -1,7 +1,7 @@
 """F's losses: cross_entropy (one fused node, torch's logits/target layouts plus
 class dim last), nll_loss (from differentiable ops) and mse_loss (one node), the
 Backward node right above its forward function.
-The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.fused` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
 import math

@@ -1,7 +1,7 @@
 """F's normalisation ops, layer_norm and rms_norm over the trailing
 `normalized_shape` dims: one fused node each (forward and backward kernels over rows),
 the Backward node right above its forward function.
-The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.fused` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
 import math
