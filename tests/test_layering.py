@@ -274,3 +274,23 @@ def test_the_circle_finder_finds_a_circle():
     arrows = [("microtensor.a", "microtensor.b", "", ""), ("microtensor.b", "microtensor.c", "", ""),
               ("microtensor.c", "microtensor.a", "", ""), ("microtensor.c", "microtensor.d", "", "")]
     assert import_circles(arrows) == [{"microtensor.a", "microtensor.b", "microtensor.c"}]
+
+
+def test_the_map_in_architecture_md_is_the_codes():
+    """docs/ARCHITECTURE.md's picture of the layers, their table and the docs index are
+    what docs/regenerate.py makes from LAYERS, the imports and docs/ now."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "_regenerate", os.path.join(ROOT, "docs", "regenerate.py"))
+    regenerate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regenerate)
+    part = regenerate.LayerMap()
+    blocks = part.render(part.measure(None, False), {})
+    with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert set(blocks) == {"layer_map", "layer_table", "docs_index"}
+    for name, body in blocks.items():
+        assert f"<!-- generated:{name} -->\n{body}\n<!-- /generated -->" in text, (
+            f"docs/ARCHITECTURE.md's {name} is stale: run python docs/regenerate.py --only layers")
+    for name, _ in LAYERS:                       # one line per layer in the picture
+        assert sum(f" {name} " in line for line in blocks["layer_map"].splitlines()) == 1, name
