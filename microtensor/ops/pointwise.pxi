@@ -1,6 +1,6 @@
 # Elementwise ops: each Backward node (the rule) sits right above its forward function.
 # A rule returns its gradients in the broadcast (output) shape: the engine sums each down
-# to its input's shape (core/engine.pxi, _as_grad_array), once for every rule.
+# to its input's shape (core/broadcast.pxi, _as_grad_array), once for every rule.
 
 
 cdef inline object _operand(object x):
