@@ -18,7 +18,7 @@ from microtensor.ops import extra as _ops
 from microtensor.ops._common import _tensor
 from microtensor.ops._functional_common import (
     DtypeError, declare_saved, _float_array, _contig, _owned_indices, _threads,
-    _wants_grad, _check_reduction,
+    _check_reduction,
 )
 
 
