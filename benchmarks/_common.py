@@ -261,7 +261,7 @@ def machine_info(threads, torch=None):
     except OSError:
         pass
     # the kernel build and every BLAS loaded, as mt.show_config() prints them
-    from microtensor.runtime import buildinfo as mt_config
+    from microtensor import buildinfo as mt_config
     c = mt_config.config()
     info["kernel_build"] = c["build"]
     info["blas"] = c["blas"]

@@ -113,7 +113,7 @@ def main(argv=None):
     for item in args.env:
         name, _, value = item.partition("=")
         env[name] = value
-    from microtensor.runtime.buildinfo import cpu_model
+    from microtensor.buildinfo import cpu_model
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.busy)]
     results = []

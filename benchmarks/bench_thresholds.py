@@ -105,10 +105,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     import microtensor as mt
     from microtensor import threads as T
-    import microtensor.runtime.buildinfo  # noqa: F401
+    import microtensor.buildinfo  # noqa: F401
     n_threads = args.threads or T.physical_cores()
     kernels = _kernels()
-    print(f"# {mt.runtime.buildinfo.cpu_model()}; N = {n_threads} threads; "
+    print(f"# {mt.buildinfo.cpu_model()}; N = {n_threads} threads; "
           f"OpenMP {T.omp_settings()}; load average {os.getloadavg()}")
     if True:
         for name in args.kernels.split(","):

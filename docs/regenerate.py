@@ -42,7 +42,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 IMG = os.path.join(ROOT, "docs", "img")
 RECORD = os.path.join(ROOT, "docs", "generated.json")
 DOCS = ["README.md", "docs/TRAINING.md", "docs/RESIDUAL_FLOW.md", "docs/MODELS.md",
-        "docs/FUSED_OPS.md", "docs/EXPLORE.md"]
+        "docs/FUSED_OPS.md", "docs/EXPLORE.md", "docs/ARCHITECTURE.md"]
 BLOCK = re.compile(r"<!-- generated:([\w-]+) -->(.*?)<!-- /generated -->", re.S)
 RTOL = 2e-3          # recomputed numbers against the record (a CPU's float32 rounding)
 RTOL_TRAINED = 0.03  # after hundreds of training steps such differences have grown
@@ -84,7 +84,7 @@ def machine():
     near 100%) depend on the CPU's vector code, so each figure says where it was taken."""
     m = dict(load_average=round(os.getloadavg()[0], 1), cpus=os.cpu_count())
     try:
-        from microtensor.runtime.buildinfo import cpu_model
+        from microtensor.buildinfo import cpu_model
         from microtensor.threads import default_num_threads
     except ImportError:       # the examples' microtensor is not this process's: say less
         return m
@@ -685,7 +685,70 @@ def timing(record):
             + "." + ("" if len(known) == len(runs) else " The other run's time was not kept."))
 
 
-PARTS = [KernelConstants(), ResidualFlow(), Graph(), Explore(), TrainCharDefault(), Seq2Seq(),
+class LayerMap(Part):
+    """The map of docs/ARCHITECTURE.md: the layers, bottom first, as tests/test_layering.py
+    places them (its LAYERS), each with the layers below it that its imports reach, read
+    from the code the same way the test reads it; and the index of docs/ (each doc's
+    title). A new layer, a new import between layers or a new doc changes the map."""
+    name = "layers"
+    cheap = True
+
+    @staticmethod
+    def layering():
+        import importlib.util
+        path = os.path.join(ROOT, "tests", "test_layering.py")
+        spec = importlib.util.spec_from_file_location("_test_layering", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def measure(self, tmp, write):
+        L = self.layering()
+        reaches = {name: set() for name in L.LAYER_NAMES}
+        for source, target, _, _ in L.arrows():
+            a, b = L.layer(source), L.layer(target)
+            if a != b:
+                reaches[L.LAYER_NAMES[a]].add(L.LAYER_NAMES[b])
+        layers = [[name, what, sorted(reaches[name], key=L.LAYER.get, reverse=True)]
+                  for name, what in L.LAYERS]
+        docs = []
+        for doc in sorted(os.listdir(os.path.join(ROOT, "docs"))):
+            if doc.endswith(".md"):
+                with open(os.path.join(ROOT, "docs", doc)) as f:
+                    title = next((line[2:].strip() for line in f if line.startswith("# ")), doc)
+                docs.append([doc, title])
+        return {"layers": layers, "docs": docs}
+
+    def quick(self, tmp, recorded):
+        return self.measure(tmp, write=False)
+
+    @staticmethod
+    def where(name):
+        return {"face": "microtensor/*.py", "models": "models/",
+                "examples": "examples/"}.get(name, f"microtensor/{name}/")
+
+    def render(self, v, record):
+        layers = v["layers"][::-1]                      # top first, as a stack is drawn
+        width = max(len(name) for name, _, _ in layers) + 2
+        folder = max(len(self.where(name)) for name, _, _ in layers) + 1
+        lines = ["┌" + "─" * width + "┐"]
+        for i, (name, _, reaches) in enumerate(layers):
+            lines.append(f"│{name.center(width)}│  {self.where(name):<{folder}}"
+                         + ("imports " + ", ".join(reaches) if reaches else "imports no other layer"))
+            lines.append(("├" if i < len(layers) - 1 else "└") + "─" * width
+                         + ("┤" if i < len(layers) - 1 else "┘"))
+        lines.append(" " * (width // 2 - 2) + "every import points down this stack "
+                     "(tests/test_layering.py)")
+        picture = "```text\n" + "\n".join(lines) + "\n```"
+        table = ("| layer | folder | what it holds |\n|---|---|---|\n"
+                 + "\n".join(f"| {name} | `{self.where(name)}` | {what} |"
+                              for name, what, _ in layers))
+        index = "\n".join(f"- [{doc}]({doc}): {title}" for doc, title in v["docs"])
+        return {"layer_map": picture, "layer_table": table, "docs_index": index}
+
+
+PARTS = [KernelConstants(), LayerMap(), ResidualFlow(), Graph(), Explore(), TrainCharDefault(),
+         Seq2Seq(),
          GradcheckLayers(), TinyShakespeare(), TinyShakespeareModern()]
 
 

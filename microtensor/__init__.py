@@ -60,7 +60,7 @@ from microtensor.core._core import (
     set_num_threads, get_num_threads, register_op, registered_ops,
 )
 # The core's ops (mt.add, mt.exp, mt.matmul, ...) are not listed here: each op's registry
-# row (register_op, beside its rule in the core's ops_*.pxi) made it a function of this
+# row (register_op, beside its rule in ops/*.pxi, compiled into the core) made it a function of this
 # package, and a Tensor method, when the core was imported above.
 from microtensor.core.dtypes import (
     dtype, device, float32, float64, float16, bfloat16, int64, int32, int16, int8, uint8,
@@ -76,7 +76,7 @@ from microtensor.threads import (set_blas_threads, get_blas_threads, blas_info, 
                                  default_num_threads, physical_cores)
 # the kernels' threads: the one policy (OMP_NUM_THREADS, else the physical cores)
 set_num_threads(default_num_threads())
-from microtensor.runtime.buildinfo import show_config, config
+from microtensor.buildinfo import show_config, config
 from microtensor.serialization import save, load
 # mt.distributed: importing it does not import mpi4py (only distributed.init() under MPI does)
 from microtensor import distributed
@@ -115,6 +115,14 @@ for _family in sorted(m.name for m in _pkgutil.iter_modules(ops.__path__)):
 del _importlib, _pkgutil, _family
 true_divide = div
 from microtensor.capture import compile  # noqa: E402  (mt.compile: capture and replay)
+# the layers above wire themselves into those below here, so that no import runs back up:
+# a custom Function's apply is one call of a recording, nn.init's random fills are timed
+# (and drawn again at replay) as calls
+from microtensor.capture import recorder as _recorder  # noqa: E402
+from microtensor import profiler as _profiler  # noqa: E402
+autograd.function.set_call_recorder(_recorder.record_call)
+_profiler.register_ops(nn.init, "nn.init.")
+del _recorder, _profiler
 from microtensor import compiler  # noqa: E402
 from microtensor import linalg, backends, amp, cuda
 from microtensor.core.dialect import (

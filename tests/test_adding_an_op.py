@@ -176,5 +176,89 @@ def test_the_walkthrough_test_line_is_in_the_op_table():
     assert fn(a, b).tolist() == [1.0, 2.0]
 
 
+# ---- the other forms of the table: each worked example runs ---------------------------------
+
+UNARY_CHILD = r'''
+import numpy as np
+import microtensor as mt
+from microtensor.ops import extra
+
+# what the doc says to write in ops/extra.py: the row, the function, the registry name
+extra._UNARY["cube"] = (lambda x: x * x * x, lambda M, x, y, g: 3 * g * x * x)  # dx = 3 g x^2
+extra.cube = extra._make_unary("cube")
+extra.register_ops("pointwise", vars(extra), "cube")
+
+assert mt.cube is extra.cube and mt.Tensor.__dict__["cube"] is extra.cube
+assert {r.name: r for r in mt.ops.registry("pointwise")}["cube"].module == "microtensor.ops.extra"
+rng = np.random.default_rng(3)
+a = rng.standard_normal((3, 4))
+np.testing.assert_allclose(mt.tensor(a).cube().numpy(), a ** 3, rtol=1e-15)
+x = mt.tensor(a, requires_grad=True)
+assert type(x.cube().grad_fn).__name__ == "PointwiseBackward"
+assert mt.autograd.gradcheck(mt.cube, [x])
+assert mt.autograd.gradgradcheck(mt.cube, [x])
+u = mt.tensor(rng.standard_normal((3, 4)), requires_grad=True)
+plain, = mt.autograd.grad(mt.cube(x), [x], u)
+graphed, = mt.autograd.grad(mt.cube(x), [x], u, create_graph=True)
+np.testing.assert_allclose(graphed.numpy(), plain.numpy(), rtol=1e-14)
+np.testing.assert_allclose(plain.numpy(), 3 * a * a * u.numpy(), rtol=1e-14)
+print("unary row ok")
+'''
+
+
+def test_a_unary_row_makes_a_working_op(tmp_path):
+    """The table's cheapest form: a row of _UNARY, its function and its registry name (in
+    a child process, so the parent's registry keeps its rows) make mt.cube, t.cube, its
+    row, and gradients to second order that agree between the array and tensor runs."""
+    r = subprocess.run([sys.executable, "-c", UNARY_CHILD], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"the _UNARY recipe failed:\n{r.stdout}\n{r.stderr}"
+    assert "unary row ok" in r.stdout
+
+
+def test_the_shape_example_is_the_rule_pad_runs():
+    import microtensor.nn.functional as F
+    x = mt.tensor(np.random.default_rng(4).standard_normal((2, 3)), requires_grad=True)
+    y = F.pad(x, (1, 2, 0, 1))
+    assert type(y.grad_fn).__name__ == "ConstantPadBackward"
+    assert mt.autograd.gradcheck(lambda t: F.pad(t, (1, 2, 0, 1)), [x])
+    assert mt.autograd.gradgradcheck(lambda t: F.pad(t, (1, 2, 0, 1)) ** 2, [x])
+
+
+def test_the_fused_example_agrees_with_its_composite():
+    """SiluBackward's kernel (first order) against the derivative of its composite."""
+    import microtensor.nn.functional as F
+    rng = np.random.default_rng(5)
+    x = mt.tensor(rng.standard_normal((3, 7)), requires_grad=True)
+    u = mt.tensor(rng.standard_normal((3, 7)), requires_grad=True)
+    y = F.silu(x)
+    assert type(y.grad_fn).__name__ == "SiluBackward"
+    kernel, = mt.autograd.grad(y, [x], u, retain_graph=True)
+    composite, = mt.autograd.grad(y, [x], u, create_graph=True)   # differentiates composite()
+    assert composite.grad_fn is not None
+    np.testing.assert_allclose(kernel.numpy(), composite.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_the_table_names_every_form_in_the_code():
+    """Every node base the package writes rules with appears in the doc's table, and every
+    Python node is one of them (or a named TWO_BODIES exception)."""
+    text = DOC.read_text(encoding="utf-8")
+    table = text.split("## Which form, for which kind of op", 1)[1].split("\n## ", 1)[0]
+    for form in ("`_UNARY`", "`DifferentiableRule`", "`FusedNode`", "cdef class",
+                 "`mt.autograd.Function`", "no node: a function of differentiable ops",
+                 "`TWICE_WRITTEN`", "`TWO_BODIES`"):
+        assert form in table, f"the table of {DOC.name} does not name {form}"
+    for kind in ("pointwise", "reduction", "shape", "fused", "custom"):
+        assert f"**{kind}" in table or kind in table, kind
+    from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
+    from microtensor.ops.extra import PointwiseBackward
+    from test_higher_order import TWO_BODIES, _python_nodes
+    for name, cls in _python_nodes().items():
+        if "backward" not in vars(cls) and "create_graph" not in vars(cls):
+            continue
+        assert issubclass(cls, (DifferentiableRule, FusedNode)) or cls is PointwiseBackward \
+            or name in TWO_BODIES or name.startswith("microtensor.autograd."), name
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

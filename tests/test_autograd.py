@@ -224,3 +224,74 @@ def test_deepcopy_of_leaves_and_parameters():
     assert q.grad.tolist() == [1.0, 1.0] and q.grad is not p.grad
     with pytest.raises(RuntimeError, match="leaf"):
         copy.deepcopy(p * 2)
+
+
+# ---- broadcasting is undone once, in the engine -----------------------------------------
+
+_BROADCAST_PAIRS = [((3, 1), (4,)), ((2, 1, 3), (1, 4, 1)), ((), (2, 3)), ((5,), (2, 1, 5)),
+                    ((2, 3), (2, 3))]
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("a_shape,b_shape", _BROADCAST_PAIRS)
+def test_the_engine_sums_each_gradient_to_its_inputs_shape(a_shape, b_shape, create_graph):
+    """The rules of mul, sub and where hand back gradients in the broadcast shape: the
+    engine sums them down, on the numpy path and on the create-graph path alike."""
+    rng = np.random.default_rng(0)
+    a_np, b_np = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
+    out_shape = np.broadcast_shapes(a_shape, b_shape)
+    up = rng.standard_normal(out_shape)        # a random upstream gradient (ones hide bugs)
+    cond = rng.standard_normal(out_shape) > 0
+
+    def summed(g, shape):                     # numpy's reference: sum g down to shape
+        g = g.sum(axis=tuple(range(g.ndim - len(shape)))) if g.ndim > len(shape) else g
+        axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+        return g.sum(axis=axes, keepdims=True) if axes else g
+    cases = [(lambda a, b: a * b, up * b_np, up * a_np),
+             (lambda a, b: a - b, up, -up),
+             (lambda a, b: mt.where(mt.tensor(cond), a, b), np.where(cond, up, 0),
+              np.where(cond, 0, up))]
+    for f, da, db in cases:
+        a = mt.tensor(a_np, requires_grad=True)
+        b = mt.tensor(b_np, requires_grad=True)
+        ga, gb = mt.autograd.grad(f(a, b), (a, b), mt.tensor(up), create_graph=create_graph)
+        assert tuple(ga.shape) == a_shape and tuple(gb.shape) == b_shape
+        np.testing.assert_allclose(ga.numpy(), summed(da, a_shape), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(gb.numpy(), summed(db, b_shape), rtol=1e-12, atol=1e-12)
+        if f is cases[0][0]:                   # mul's da = g * b reads b: a graph under create_graph
+            assert (ga.grad_fn is not None) == create_graph
+    # and the sum is differentiable again: second order through a broadcast mul
+    a = mt.tensor(a_np, requires_grad=True)
+    b = mt.tensor(b_np, requires_grad=True)
+    assert mt.autograd.gradgradcheck(lambda a, b: a * b * b, (a, b))
+
+
+def test_a_gradient_that_is_no_broadcast_of_its_input_raises():
+    """A rule whose gradient cannot be summed down to its input's shape is a bug in the
+    rule: the engine says so rather than guessing (both paths)."""
+    from microtensor.autograd.graph_rules import DifferentiableRule
+
+    class WrongBackward(DifferentiableRule):
+        def create_graph(self, g):
+            return (mt.ones(4, dtype=g.dtype),)         # the input has shape (3,)
+    for create_graph in (False, True):
+        x = mt.ones(3, dtype=mt.float64, requires_grad=True)
+        y = mt.autograd.wrap(x.detach().numpy() * 2)
+        mt.autograd.attach(y, WrongBackward(), (x,))
+        with pytest.raises(RuntimeError, match=r"gradient of shape \(4,\) for an input of "
+                                               r"shape \(3,\)"):
+            mt.autograd.grad(y.sum(), (x,), create_graph=create_graph)
+
+
+def test_a_gradient_of_the_right_shape_passes_the_engine_uncopied():
+    """The hot path: a gradient already in its input's shape and dtype is handed on as it
+    is (no sum, no cast, no copy); a broadcast one is summed, and cast to the input's dtype."""
+    from microtensor.core import _core
+    x = mt.ones(2, 3, dtype=mt.float32, requires_grad=True)
+    y = x * 2.0
+    g = np.ones((2, 3), dtype=np.float32)
+    assert _core.sum_to_inputs(y.grad_fn, (g,))[0] is g
+    wide = np.ones((4, 2, 3), dtype=np.float64)
+    out = _core.sum_to_inputs(y.grad_fn, (wide, None))
+    assert out[0].shape == (2, 3) and out[0].dtype == np.float32 and out[1] is None
+    np.testing.assert_array_equal(out[0], np.full((2, 3), 4.0))

@@ -140,7 +140,7 @@ def test_a_threaded_mkl_already_loaded_is_not_used(monkeypatch, vendor):
 
 def test_show_config_names_the_gemm_blas():
     import microtensor as mt
-    from microtensor.runtime import buildinfo
+    from microtensor import buildinfo
     c = buildinfo.config()
     assert c["gemm"] == _blas.blas_choice()
     line = next(x for x in buildinfo.format_config(c) if "BLAS (gemm)" in x)

@@ -6,7 +6,7 @@ import pytest
 
 import microtensor as mt
 from microtensor.runtime import _blas_choice
-from microtensor.runtime import buildinfo
+from microtensor import buildinfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -207,5 +207,6 @@ def test_a_tensor_of_python_floats_asked_for_as_float64_keeps_every_digit(data):
     want = torch.tensor(data, dtype=torch.float64).numpy()
     np.testing.assert_array_equal(got, want)
     assert got.dtype == np.float64
-    # the default stays float32, as torch's
-    np.testing.assert_array_equal(mt.tensor(data).numpy(), torch.tensor(data).numpy())
+    # the default stays float32, as torch's (6.6e38 overflows to inf in both)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(mt.tensor(data).numpy(), torch.tensor(data).numpy())

@@ -116,6 +116,125 @@ def test_create_graph_first_order_equals_fused_backward(name):
             np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-10, atol=1e-12)
 
 
+# ---- the nodes whose math is written twice, for speed: each one named -------------------
+# The core's Cython nodes (and the Python nodes of TWO_BODIES below) keep a numpy backward
+# for first order and, beside it, a create-graph rule in differentiable ops: the same math
+# twice. Each is named here with the calls that reach it, and its two forms must agree
+# (first order, broadcasting shapes, a random upstream gradient); a new node of that kind
+# fails test_every_twice_written_node_is_named until it has a line here.
+
+def positive(*shape):
+    return leaf(*shape, low=0.2, high=2.0)
+
+
+def away_from_zero(*shape):
+    a = rng.uniform(0.2, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
+    return mt.tensor(a, requires_grad=True)
+
+
+TWICE_WRITTEN = {
+    # node type (as in the graph) -> {case: (fn, input makers)}
+    "AddBackward": {"add": (lambda a, b: a + b, lambda: [leaf(3, 1), leaf(4)])},
+    "SubBackward": {"sub": (lambda a, b: a - b, lambda: [leaf(2, 1, 3), leaf(4, 1)])},
+    "MulBackward": {"mul": (lambda a, b: a * b, lambda: [leaf(3, 1), leaf(2, 1, 4)])},
+    "DivBackward": {"div": (lambda a, b: a / b, lambda: [leaf(3, 4), positive(4)])},
+    "PowBackward": {"pow": (lambda a, b: a ** b, lambda: [positive(3, 1), leaf(4)]),
+                    "pow_scalar": (lambda a: a ** 3, lambda: [leaf(3, 4)])},
+    "NegBackward": {"neg": (lambda a: -a, lambda: [leaf(3, 4)])},
+    "MaximumBackward": {"maximum": (mt.maximum, lambda: [leaf(3, 4), leaf(4)])},
+    "WhereBackward": {"where": (lambda a, b: mt.where(mt.tensor(rng.standard_normal((3, 4)) > 0), a, b),
+                                lambda: [leaf(3, 1), leaf(4)])},
+    "MatmulBackward": {"matmul_batch": (lambda a, b: a @ b, lambda: [leaf(2, 3, 4), leaf(4, 5)]),
+                       "matmul_vector": (lambda a, b: a @ b, lambda: [leaf(4), leaf(2, 4, 3)])},
+    "ExpandBackward": {"expand": (lambda a: a.expand(2, 3, 4), lambda: [leaf(3, 1)])},
+    "SumBackward": {"sum": (lambda a: a.sum(1), lambda: [leaf(3, 4)])},
+    "MeanBackward": {"mean": (lambda a: a.mean(0, keepdim=True), lambda: [leaf(3, 4)])},
+    "VarBackward": {"var": (lambda a: a.var(1), lambda: [leaf(3, 4)])},
+    "AmaxBackward": {"amax": (lambda a: mt.amax(a, 1), lambda: [leaf(3, 4)])},
+    "MaxDimBackward": {"max_dim": (lambda a: a.max(1).values, lambda: [leaf(3, 4)])},
+    "CastBackward": {"cast": (lambda a: a.to(mt.float32) * 1.5, lambda: [leaf(3, 4)])},
+    "CatBackward": {"cat": (lambda a, b: mt.cat([a, b], 0), lambda: [leaf(2, 3), leaf(1, 3)])},
+    "ClampBackward": {"clamp": (lambda a: a.clamp(-0.5, 0.5), lambda: [leaf(3, 4)])},
+    "IndexBackward": {"index_basic": (lambda a: a[1:, ::2], lambda: [leaf(3, 4)]),
+                      "index_gather": (lambda a: a[mt.tensor([0, 2, 0])], lambda: [leaf(3, 4)])},
+    "IndexAddBackward": {"add_at": (lambda a: C.add_at(a, (np.array([0, 2, 0]),), (3, 4), False),
+                                    lambda: [leaf(3, 4)])},
+    "PermuteBackward": {"permute": (lambda a: a.permute(2, 0, 1), lambda: [leaf(2, 3, 4)])},
+    "ReshapeBackward": {"reshape": (lambda a: a.reshape(4, 3), lambda: [leaf(3, 4)])},
+    "TrilBackward": {"tril": (mt.tril, lambda: [leaf(3, 4)])},
+    # one node type, one rule per kernel: each named (UNARY_KERNELS below)
+    "UnaryBackward": {"exp": (mt.exp, lambda: [leaf(3, 4)]), "log": (mt.log, lambda: [positive(3, 4)]),
+                      "sqrt": (mt.sqrt, lambda: [positive(3, 4)]), "tanh": (mt.tanh, lambda: [leaf(3, 4)]),
+                      "sigmoid": (mt.sigmoid, lambda: [leaf(3, 4)]),
+                      "relu": (mt.relu, lambda: [away_from_zero(3, 4)]),
+                      "abs": (mt.abs, lambda: [away_from_zero(3, 4)])},
+    # the Python nodes of TWO_BODIES that are ops
+    "SoftmaxBackward": {"softmax": (lambda x: F.softmax(x, 0), lambda: [leaf(3, 4)])},
+    "LogSoftmaxBackward": {"log_softmax": (lambda x: F.log_softmax(x, -1), lambda: [leaf(3, 4)])},
+    "CrossEntropyBackward": {"cross_entropy": (
+        lambda x: F.cross_entropy(x, mt.tensor([1, -100, 3]), label_smoothing=0.1),
+        lambda: [leaf(3, 5)])},
+}
+UNARY_KERNELS = {"exp", "log", "sqrt", "tanh", "sigmoid", "relu", "abs"}
+TWICE_CASES = {case: entry for cases in TWICE_WRITTEN.values() for case, entry in cases.items()}
+
+
+def test_every_twice_written_node_is_named():
+    """Every core node type with a numpy backward (and every TWO_BODIES op node) has its
+    cases in TWICE_WRITTEN, and each case reaches the node it is listed under."""
+    nodes = {name for name in dir(C) if isinstance(getattr(C, name), type)
+             and issubclass(getattr(C, name), C.Node) and getattr(C, name) is not C.Node
+             and "backward" in vars(getattr(C, name))}
+    nodes |= {name.rsplit(".", 1)[1] for name in TWO_BODIES if ".ops." in name}
+    nodes.discard("PointwiseBackward")            # its rows: test_every_unary_row_agrees
+    assert len(nodes) >= 27, sorted(nodes)
+    assert set(TWICE_WRITTEN) == nodes, (f"not named: {sorted(nodes - set(TWICE_WRITTEN))}, "
+                                         f"gone: {sorted(set(TWICE_WRITTEN) - nodes)}")
+    kernels = {k.split("_")[0] for k in list(C._FROM_OUTPUT) + list(C._FROM_INPUT)}
+    assert kernels == UNARY_KERNELS == set(TWICE_WRITTEN["UnaryBackward"]), kernels
+    for node, cases in TWICE_WRITTEN.items():
+        for case, (fn, make) in cases.items():
+            out = fn(*make())
+            seen = set()
+            stack = [out.grad_fn]
+            while stack:                               # the node types the case reaches
+                n = stack.pop()
+                if n is not None and n not in seen:
+                    seen.add(n)
+                    stack.extend(t.grad_fn for t in n.inputs if t is not None)
+            assert node in {type(n).__name__ for n in seen}, f"{case} does not reach {node}"
+
+
+def _both_orders_agree(fn, inputs, rtol=1e-10):
+    outs = fn(*inputs)
+    upstream = mt.tensor(rng.standard_normal(outs.shape), dtype=outs.dtype, requires_grad=True)
+    plain = mt.autograd.grad(outs, inputs, upstream, retain_graph=True, allow_unused=True)
+    graphed = mt.autograd.grad(outs, inputs, upstream, create_graph=True, allow_unused=True)
+    for p, q, x in zip(plain, graphed, inputs):
+        assert p is not None and q is not None
+        assert not p.requires_grad and q.requires_grad     # (q has a graph, or is g itself)
+        assert tuple(p.shape) == tuple(q.shape) == tuple(x.shape)
+        np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=rtol, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", sorted(TWICE_CASES))
+def test_numpy_backward_equals_create_graph_rule(case):
+    """The two forms of a twice-written node give the same first derivative."""
+    fn, make = TWICE_CASES[case]
+    _both_orders_agree(fn, make(), rtol=1e-6 if case == "cast" else 1e-10)
+
+
+def test_every_unary_row_agrees():
+    """ops/extra.py's _UNARY rows write each derivative once, run on arrays for first
+    order and on tensors for create_graph: both runs agree, row by row."""
+    from microtensor.ops.extra import _UNARY
+    for name in sorted(_UNARY):
+        if name in ("sign", "floor", "ceil", "trunc", "round"):
+            continue                                   # a zero gradient: no graph to compare
+        x = leaf(3, 4, low=0.1, high=0.9)             # inside every row's domain
+        _both_orders_agree(getattr(mt, name), [x])
+
+
 # ---- the engine's create_graph path ------------------------------------------------------
 
 def test_derivatives_of_x_cubed_to_fourth_order():

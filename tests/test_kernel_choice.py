@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from microtensor.runtime import _kernel_choice as choice
+from microtensor.kernels import _choice as choice
 
 
 @pytest.fixture

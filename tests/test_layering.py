@@ -1,20 +1,9 @@
-"""Layers point one way: engine -> nn -> models -> examples.
+"""Layers point one way: each folder of microtensor/ is a layer, and every import points to
+its own layer or one below. No exceptions are listed: an import that runs back up fails.
 
-Every import in microtensor/, models/ and examples/ is read (the Python files with
-`ast`, the Cython files line by line, function-level imports included) and each arrow
-must point to the same layer or one below:
-
-    0 engine    microtensor's core (core/: _core and its include files, dtypes, dialect,
-                the generator), the ops (ops/), the Cython kernels (kernels/), the
-                runtime (runtime/), autograd, serialization, threads, profiler, optim,
-                capture, amp, cuda, backends, linalg, distributed, inspect (instruments
-                built on the engine's hooks)
-    1 nn        microtensor.nn, and the package facade `microtensor` (its __init__ may
-                import nn; so importing the facade counts as importing nn), coverage,
-                runtime.buildinfo (show_config reads which build of the fused kernels
-                nn loaded)
-    2 models    models/ (public APIs only: nothing named with a leading underscore)
-    3 examples  examples/ (and its helpers _cli, chardata)
+Every import in microtensor/, models/ and examples/ is read (the Python files with `ast`,
+the Cython files line by line, function-level imports included). LAYERS, bottom first, is
+also the map docs/ARCHITECTURE.md draws (docs/regenerate.py reads it from here).
 """
 import ast
 import os
@@ -23,27 +12,40 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE, NN, MODELS, EXAMPLES = 0, 1, 2, 3
-LAYER_NAMES = {ENGINE: "engine", NN: "nn", MODELS: "models", EXAMPLES: "examples"}
 
-# microtensor.<component> -> layer, by the longest dotted prefix listed; everything under
-# microtensor must be listed
-MICROTENSOR = {
-    "core": ENGINE, "ops": ENGINE, "kernels": ENGINE, "runtime": ENGINE,
-    "amp": ENGINE, "autograd": ENGINE, "backends": ENGINE, "cuda": ENGINE,
-    "distributed": ENGINE, "inspect": ENGINE, "linalg": ENGINE, "optim": ENGINE,
-    "profiler": ENGINE, "serialization": ENGINE, "threads": ENGINE, "capture": ENGINE,
-    "compiler": ENGINE, "nn": NN, "coverage": NN, "runtime.buildinfo": NN,
-}
+# (layer, what it holds), bottom first: a layer may import its own and those above it here
+LAYERS = [
+    ("runtime", "the machine: CPU features, which BLAS serves matmul, OpenMP's and malloc's "
+                "settings, the build's configuration"),
+    ("kernels", "Cython kernels: gemm, the fused row kernels (layer norm, softmax, "
+                "cross-entropy, attention), foreach, and the choice of their build"),
+    ("core", "the Tensor, the graph and the backward engine (Cython), dtypes, the random "
+             "generator, the op registry"),
+    ("autograd", "what rules share (DifferentiableRule, FusedNode), create_graph, "
+                 "autograd.grad, Function, gradcheck"),
+    ("ops", "every op, one file per family: its forward, its backward rule and its "
+            "registry row (Tensor methods, mt.*, F.*)"),
+    ("capture", "mt.compile: record a step's ops once, replay them as a plan"),
+    ("inspect", "mt.inspect: watch the graph and the backward pass, node by node"),
+    ("distributed", "mt.distributed: MPI collectives (all_reduce, broadcast) between "
+                    "processes"),
+    ("nn", "modules only: Module, containers, the layers, init, utils, "
+           "DistributedDataParallel; nn.functional hands on the ops"),
+    ("optim", "SGD, Adam/AdamW (a fused kernel), learning-rate schedules"),
+    ("face", "import microtensor: the package's __init__ and top-level modules (threads, "
+             "linalg, serialization, profiler, amp, ...), the names users import"),
+    ("models", "GPT and its blocks, nanoGPT-style, on the public API only"),
+    ("examples", "flat training scripts (train_char.py, ...) and their helpers"),
+]
+LAYER_NAMES = [name for name, _ in LAYERS]
+LAYER = {name: i for i, name in enumerate(LAYER_NAMES)}
+FOLDERS = {"runtime", "kernels", "core", "autograd", "ops", "capture", "inspect",
+           "distributed", "nn", "optim"}
 # the files `include`d into an extension belong to it: the core's include files (core/,
 # ops/) and its kernels belong to core._core; the fused kernels' shared code to _fused
 INCLUDED_IN = {"core": "microtensor.core._core", "ops": "microtensor.core._core",
                "kernels/core_kernels": "microtensor.core._core",
                "kernels": "microtensor.kernels._fused"}
-
-# Arrows that still point up, each to be removed when its import is turned around (the
-# test fails when one of them is gone, so the list only ever shrinks).
-KNOWN_UPWARD = set()
 
 SOURCE_SUFFIXES = (".py", ".pyx", ".pxi", ".pxd")
 
@@ -124,19 +126,18 @@ def resolve(name, known):
 
 
 def layer(module):
+    """The layer of a module: its folder of microtensor/ (the face for the package and its
+    top-level modules), models or examples. A module's layer is its file's, so an import
+    of `microtensor.ops.extra` from a .pxi compiled into the core counts as the core's."""
     parts = module.split(".")
     if parts[0] == "microtensor":
-        if len(parts) == 1:
-            return NN                        # the facade imports nn
-        for i in range(len(parts), 1, -1):
-            if ".".join(parts[1:i]) in MICROTENSOR:
-                return MICROTENSOR[".".join(parts[1:i])]
-        raise AssertionError(f"{module}: not placed in a layer; add it to MICROTENSOR "
-                             "in tests/test_layering.py")
+        if len(parts) > 1 and parts[1] in FOLDERS:
+            return LAYER[parts[1]]
+        return LAYER["face"]
     if parts[0] == "models":
-        return MODELS
+        return LAYER["models"]
     if parts[0] in ("examples", "_cli", "chardata"):
-        return EXAMPLES
+        return LAYER["examples"]
     raise AssertionError(f"{module}: no layer")
 
 
@@ -162,29 +163,41 @@ def test_every_module_has_a_layer(all_arrows):
         layer(module_name(path))
 
 
+def test_every_folder_is_a_layer():
+    """A new folder of microtensor/ must be placed in LAYERS (else it would count as the face)."""
+    folders = {d for d in os.listdir(os.path.join(ROOT, "microtensor"))
+               if os.path.isdir(os.path.join(ROOT, "microtensor", d)) and not d.startswith(("_", "."))}
+    assert folders == FOLDERS, f"folders not in LAYERS: {folders - FOLDERS}; gone: {FOLDERS - folders}"
+    assert set(LAYER_NAMES) == FOLDERS | {"face", "models", "examples"}
+
+
 def test_no_arrow_points_up(all_arrows):
-    upward = [(s, t, where) for s, t, _, where in all_arrows
-              if layer(t) > layer(s) and (s, t) not in KNOWN_UPWARD]
+    upward = [(s, t, where) for s, t, _, where in all_arrows if layer(t) > layer(s)]
     message = "\n".join(f"{where}: {s} ({LAYER_NAMES[layer(s)]}) imports {t} "
                         f"({LAYER_NAMES[layer(t)]})" for s, t, where in upward)
     assert not upward, "imports pointing up a layer:\n" + message
 
 
-def test_the_known_upward_arrows_are_still_there(all_arrows):
-    # when one is turned around, take it off KNOWN_UPWARD
-    present = {(s, t) for s, t, _, _ in all_arrows}
-    assert KNOWN_UPWARD <= present, f"gone, remove from KNOWN_UPWARD: {KNOWN_UPWARD - present}"
+def test_an_upward_import_fails(tmp_path, monkeypatch):
+    """The test can fail: a planted function-level import from the core up to ops."""
+    core = tmp_path / "microtensor" / "core"
+    core.mkdir(parents=True)
+    (core / "planted.py").write_text("def f():\n    from microtensor.ops import extra\n")
+    names = [n for n, _ in imports_of(str(core / "planted.py"))]
+    assert names == ["microtensor.ops.extra"]
+    assert layer("microtensor.ops.extra") > layer("microtensor.core.planted")
 
 
-def test_optim_imports_only_the_engine(all_arrows):
+def test_optim_imports_no_nn(all_arrows):
     bad = [(s, t, where) for s, t, _, where in all_arrows
-           if s.startswith("microtensor.optim") and layer(t) != ENGINE]
+           if s.startswith("microtensor.optim") and layer(t) >= LAYER["nn"]
+           and not t.startswith("microtensor.optim")]
     assert not bad, bad
 
 
 def test_models_and_examples_use_public_names_only(all_arrows):
     private = [(s, name, where) for s, t, name, where in all_arrows
-               if layer(s) >= MODELS and t.split(".")[0] == "microtensor"
+               if layer(s) >= LAYER["models"] and t.split(".")[0] == "microtensor"
                and any(part.startswith("_") for part in name.split(".")[1:])]
     assert not private, "private microtensor names used above nn:\n" + "\n".join(
         f"{where}: {s} imports {name}" for s, name, where in private)
@@ -205,7 +218,8 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
     known = known_modules()
     assert resolve("microtensor.nn.functional.softmax", known) == "microtensor.nn.functional"
     assert resolve("microtensor.Tensor", known) == "microtensor"
-    assert layer("microtensor") == NN and layer("microtensor.optim.sgd") == ENGINE
+    assert layer("microtensor") == LAYER["face"] and layer("microtensor.optim.sgd") == LAYER["optim"]
+    assert layer("microtensor.threads") == LAYER["face"] and layer("models.gpt") == LAYER["models"]
 
 
 # ---- import circles ------------------------------------------------------------------------
@@ -260,3 +274,23 @@ def test_the_circle_finder_finds_a_circle():
     arrows = [("microtensor.a", "microtensor.b", "", ""), ("microtensor.b", "microtensor.c", "", ""),
               ("microtensor.c", "microtensor.a", "", ""), ("microtensor.c", "microtensor.d", "", "")]
     assert import_circles(arrows) == [{"microtensor.a", "microtensor.b", "microtensor.c"}]
+
+
+def test_the_map_in_architecture_md_is_the_codes():
+    """docs/ARCHITECTURE.md's picture of the layers, their table and the docs index are
+    what docs/regenerate.py makes from LAYERS, the imports and docs/ now."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "_regenerate", os.path.join(ROOT, "docs", "regenerate.py"))
+    regenerate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regenerate)
+    part = regenerate.LayerMap()
+    blocks = part.render(part.measure(None, False), {})
+    with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert set(blocks) == {"layer_map", "layer_table", "docs_index"}
+    for name, body in blocks.items():
+        assert f"<!-- generated:{name} -->\n{body}\n<!-- /generated -->" in text, (
+            f"docs/ARCHITECTURE.md's {name} is stale: run python docs/regenerate.py --only layers")
+    for name, _ in LAYERS:                       # one line per layer in the picture
+        assert sum(f" {name} " in line for line in blocks["layer_map"].splitlines()) == 1, name

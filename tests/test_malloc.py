@@ -70,7 +70,7 @@ def test_the_environments_own_setting_wins(var):
 
 
 def test_show_config_says_what_the_allocator_does():
-    from microtensor.runtime import buildinfo
+    from microtensor import buildinfo
     c = buildinfo.config()
     line = next(x for x in buildinfo.format_config(c) if x.strip().startswith("memory"))
     assert c["malloc"] == _malloc.state

@@ -103,7 +103,7 @@ OPS = {
     "index_gather_2d": (lambda x: x[:, mt.tensor([[1, 1], [0, 3]])], lambda x: x[:, [[1, 1], [0, 3]]],
                         [(normal, (2, 4))]),
     "index_mask": (lambda x: x[x > 0], lambda x: x[x > 0], [(away_from_kinks, (3, 4))]),
-    # the wider PyTorch surface (microtensor.ops_*), written as methods torch shares (so
+    # the wider PyTorch surface (the .py families of microtensor/ops/), written as methods torch shares (so
     # test_ops_torch.py runs them on torch tensors too); more in test_dialect.py
     "sin": (lambda x: x.sin(), np.sin, [(normal, (3, 4))]),
     "log1p": (lambda x: x.log1p(), np.log1p, [(positive, (3, 4))]),

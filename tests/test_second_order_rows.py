@@ -263,10 +263,10 @@ def test_create_graph_first_order_equals_backward(label):
 def test_binary_cross_entropy_second_order_catches_a_constant_denominator(monkeypatch):
     """The planted bug that once passed everything: BCE's create-graph rule with x (1 - x)
     in its denominator taken as a constant. Its first order is right; its second is not."""
-    from microtensor.ops import functional_extra
+    from microtensor.ops import losses
     from microtensor.autograd.graph_rules import _const
-    rule = functional_extra.BinaryCrossEntropyBackward.create_graph
-    core = functional_extra._core
+    rule = losses.BinaryCrossEntropyBackward.create_graph
+    core = losses._core
 
     def constant_denominator(self, g):
         real_mul = core.mul
@@ -284,7 +284,7 @@ def test_binary_cross_entropy_second_order_catches_a_constant_denominator(monkey
 
     x, t = leaves(prob(3, 4), prob(3, 4))
     assert mt.gradgradcheck(F.binary_cross_entropy, [x, t])
-    monkeypatch.setattr(functional_extra.BinaryCrossEntropyBackward, "create_graph",
+    monkeypatch.setattr(losses.BinaryCrossEntropyBackward, "create_graph",
                         constant_denominator)
     assert mt.gradcheck(F.binary_cross_entropy, [x, t])           # first order: unchanged
     assert not mt.gradgradcheck(F.binary_cross_entropy, [x, t], raise_exception=False)

@@ -223,7 +223,7 @@ def test_examples_default_to_the_librarys_thread_count():
 
 def test_show_config_names_cpu_build_blas_threads(capsys):
     import microtensor as mt
-    from microtensor.runtime.buildinfo import config, cpu_model
+    from microtensor.buildinfo import config, cpu_model
     mt.show_config()
     out = capsys.readouterr().out
     c = config()

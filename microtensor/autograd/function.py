@@ -231,23 +231,20 @@ class FunctionBackward(_FunctionNode):
                 raise TypeError(f"function {self.name()} returned a {type(g).__name__} as "
                                 f"gradient {i}; expected a Tensor or None")
             if tuple(g.shape) != tuple(a.shape):
-                g = self._reduce(g, a, i)
+                self._check_broadcast(g, a, i)      # the engine sums it down to a's shape
             if g.dtype != a.dtype:
                 g = C._cast(g, a.dtype)
             out.append(g if a.requires_grad else None)
         return tuple(out)
 
-    def _reduce(self, g, a, i):
-        """As torch: a gradient of a shape the input broadcasts to is summed down to it."""
+    def _check_broadcast(self, g, a, i):
+        """As torch: a gradient of a shape the input broadcasts to is fine (the engine
+        sums it down, as for every rule); any other shape is the Function's error."""
         gs, s = tuple(g.shape), tuple(a.shape)
         ok = len(s) <= len(gs) and all(x == y or x == 1 for x, y in zip(s[::-1], gs[::-1]))
         if not ok:
             raise RuntimeError(f"Function {self.name()} returned an invalid gradient at index "
                                f"{i} - got {list(gs)} but expected shape compatible with {list(s)}")
-        if len(gs) > len(s):
-            g = C.sum(g, tuple(range(len(gs) - len(s))))
-        axes = tuple(k for k, n in enumerate(s) if n == 1 and g.shape[k] != 1)
-        return C.sum(g, axes, True) if axes else g
 
 
 class FunctionOutputBackward(_FunctionNode):
@@ -333,8 +330,8 @@ class Function:
             args, kwargs = _bind(cls, args, kwargs, setup)
         # under mt.compile one call is one record: the replay runs forward and attaches
         # the node again (microtensor/capture/recorder.py)
-        return _capture.record_call(f"{cls.__name__}.apply", _apply,
-                                    (cls, tuple(kwargs.items())) + tuple(args))
+        return _record_call(f"{cls.__name__}.apply", _apply,
+                            (cls, tuple(kwargs.items())) + tuple(args))
 
 
 def _has_setup_context(cls):
@@ -466,4 +463,14 @@ def _attach_several(node, call, fresh, diff, inputs):
     return outputs
 
 
-from microtensor.capture import recorder as _capture  # noqa: E402  (capture wraps ops)
+def _record_call(label, fn, args):
+    """fn(*args); mt.compile's recorder takes this place (set_call_recorder), so that one
+    apply is one recorded call. The capture is a layer above autograd: the package's
+    __init__ wires it in, autograd never imports it."""
+    return fn(*args)
+
+
+def set_call_recorder(record_call):
+    """Route every Function.apply through record_call(label, fn, args) (the capture's)."""
+    global _record_call
+    _record_call = record_call

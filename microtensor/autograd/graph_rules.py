@@ -16,7 +16,7 @@ import numpy as np
 
 import microtensor.core._core as C
 from microtensor.core._core import (  # noqa: F401  (the helpers the rules share)
-    _wants, _live, _sum_to, _keepdim, _const, IndexAddBackward, add_at,
+    _wants, _live, _keepdim, _const, IndexAddBackward, add_at,
 )
 
 

@@ -17,10 +17,11 @@ node saved in forward are fine for constants only: masks, indices, shapes, expon
 first derivative and a silently wrong second one; tests/test_higher_order.py shows that
 gradgradcheck catches exactly that.)
 
-Most rules are the node's own backward formula with numpy swapped for tensor ops. Three
-fused ops (layer_norm, rms_norm, scaled_dot_product_attention) have long backward
-formulas; their rules run the op's forward again as primitives and differentiate that
-(`_through_primitives`), which is slower but short and obviously right. An
+Most rules are the node's own backward formula with numpy swapped for tensor ops. Every
+fused op (a FusedNode: linear, embedding, dropout, gelu, silu, layer_norm, rms_norm,
+attention, rope, cumprod, ...) has no hand-written rule: its rule runs the op's declared
+composite again as primitives and differentiates that (`_through_primitives`), which is
+slower but short and obviously right. An
 mt.autograd.Function runs its own backward with grad mode on (its `create_graph`
 method, in autograd/function.py), so it is as differentiable as the ops it is written
 with; a node with no rule at all is once differentiable: its gradient is correct, and
@@ -35,7 +36,7 @@ import microtensor.core._core as C
 from microtensor.core._core import Tensor, Node, wrap, attach
 # where a rule is found, and the helpers the rules share
 from microtensor.autograd.graph_rules import (  # noqa: F401
-    rule_for, IndexAddBackward, add_at, _wants, _live, _sum_to, _keepdim,
+    rule_for, IndexAddBackward, add_at, _wants, _live, _keepdim,
     _const, _through_primitives, _reroot,
 )
 

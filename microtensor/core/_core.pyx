@@ -13,6 +13,7 @@ so that ops reach tensors' fields at C speed:
   core/grad_mode.pxi        grad mode and anomaly mode, per thread (no_grad, enable_grad)
   core/versions.pxi         version counters: in-place changes to saved tensors are caught
   core/slice_grads.pxi      the gradients of slices, built into one buffer per tensor
+  core/broadcast.pxi        a gradient summed down to its input's shape: broadcasting undone once
   core/engine.pxi           Node, the backward traversal (iterative, topological)
   core/numpy_dtypes.pxi     the numpy dtypes of the core, devices, torch-style dtype names
   core/capture_hook.pxi     the one door mt.compile watches: value reads, writes, new tensors
@@ -41,6 +42,7 @@ include "../kernels/core_kernels.pxi"
 include "grad_mode.pxi"
 include "versions.pxi"
 include "slice_grads.pxi"
+include "broadcast.pxi"
 include "engine.pxi"
 include "numpy_dtypes.pxi"
 include "capture_hook.pxi"

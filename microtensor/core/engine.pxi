@@ -131,28 +131,6 @@ cdef inline Tensor _attach(Tensor out, Node node, tuple inputs):
     return out
 
 
-cdef object _as_grad_array(object g, Tensor t):
-    """Check one gradient coming out of a backward rule against its input tensor."""
-    if type(g) is SliceGrad:
-        if (<SliceGrad>g).shape != t._data.shape:
-            raise RuntimeError(f"internal error: slice gradient for shape {(<SliceGrad>g).shape} "
-                               f"reached an input of shape {t._data.shape}")
-        return g
-    if isinstance(g, Tensor):            # create_graph: gradients are tensors
-        if (<Tensor>g)._data.shape != t._data.shape:
-            raise RuntimeError(
-                f"internal error: gradient of shape {(<Tensor>g)._data.shape} for an input of "
-                f"shape {t._data.shape}")
-        return g
-    if g.dtype != t._data.dtype:
-        g = g.astype(t._data.dtype)
-    if g.shape != t._data.shape:
-        raise RuntimeError(
-            f"internal error: gradient of shape {g.shape} for an input of shape "
-            f"{t._data.shape}")
-    return g
-
-
 cdef object _run_tensor_hooks(list hooks, object g, bint create_graph):
     """Run a tensor's hooks on its gradient. A hook's result replaces the gradient, and
     it is checked here, where Python code hands it back, before any kernel sees it."""

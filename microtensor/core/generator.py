@@ -30,7 +30,7 @@ import numpy as np
 
 from microtensor.core import _core
 from microtensor.core.dtypes import device as _device
-from microtensor.ops.creation_extra import _check_device
+from microtensor.core._core import check_device as _check_device
 
 __all__ = ["Generator", "default_generator", "manual_seed", "seed", "initial_seed",
            "set_rng_state"]

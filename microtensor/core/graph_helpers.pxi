@@ -22,20 +22,6 @@ def _live(node, i, saved):
     return t if t is not None else saved
 
 
-def _sum_to(g, shape):
-    """unbroadcast for tensors: sum g down to `shape` (differentiable: a sum)."""
-    shape = tuple(shape)
-    if tuple(g.shape) == shape:
-        return g
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = sum(g, tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
-    if axes:
-        g = sum(g, axes, True)
-    return g
-
-
 def _keepdim(g, in_shape, dims, keepdim):
     """A reduced gradient with its reduced dims put back as size 1."""
     if keepdim or not dims:

@@ -492,7 +492,7 @@ cdef class Tensor:
         _bump(self)
 
 
-    # -- operations as methods (the functions live in ops_*.pxi) -----------------
+    # -- operations as methods (the functions live in ops/*.pxi) -----------------
     def __add__(self, other): return add(self, other)
     def __radd__(self, other): return add(other, self)
     def __sub__(self, other): return sub(self, other)

@@ -135,7 +135,7 @@ class SkipStream:
         g = self.pending.pop(node, None)
         if g is None:
             return
-        grads = node.backward(g)
+        grads = _core.sum_to_inputs(node, tuple(node.backward(g)))   # as the engine hands them on
         for i, inp in self.path.edges(node):
             gi = grads[i]
             if gi is None:

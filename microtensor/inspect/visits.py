@@ -91,7 +91,9 @@ class BackwardTrace:
 
     def _hook(self, node, grad):
         outer = self._outer
-        grads = outer(node, grad) if outer is not None else node.backward(grad)
+        # the gradients as the engine hands them on: each summed to its input's shape
+        grads = _core.sum_to_inputs(node, tuple(outer(node, grad) if outer is not None
+                                                else node.backward(grad)))
         self.order.append(node)
         self.received[node] = grad_norm(grad)
         if self.keep_grads:

@@ -3,7 +3,7 @@
 
 Every kernel takes C-contiguous typed memoryviews of one float type, states its shapes
 in its first docstring line, releases the GIL and loops with prange over rows (or over
-column slabs where rows would race). The Python side (microtensor/nn/functional.py)
+column slabs where rows would race). The Python side (the families of microtensor/ops/)
 checks shapes and index ranges before calling; bounds checks are off in here, so each
 kernel also checks, at its entry, every size it relies on and the range of every index
 array it reads (see "safety at the kernel entry" in kernels/_fused_math.pxi): called directly

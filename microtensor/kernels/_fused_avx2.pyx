@@ -7,7 +7,7 @@ gcc makes them 8 wide with FMA, several times faster. This module is the same so
 its kernel functions compiled for AVX2+FMA (setup.py's KERNEL_TARGETS); its import code
 stays plain x86-64, so importing it is safe on any CPU, and on a CPU without AVX2 and
 FMA every function it exports raises instead of running (CPU_RUNS_THIS_BUILD is False).
-microtensor/ops/_functional_common.py loads it only where the CPU runs it (else `_fused`);
+microtensor/kernels/_choice.py loads it only where the CPU runs it (else `_fused`);
 on other architectures or compilers it is a plain second copy.
 """
 cdef extern from *:

@@ -10,7 +10,7 @@ make GELU about 28% faster and softmax and cross-entropy 13-15% faster than the 
 build at either width (benchmarks/bench_kernels.py; docs/BENCHMARKS.md).
 Only the kernel functions are compiled for AVX-512: importing the module is safe on any
 x86-64, and where the CPU lacks AVX-512 every function it exports raises instead.
-microtensor/ops/_functional_common.py loads it when the CPU reports AVX-512 F, BW, VL
+microtensor/kernels/_choice.py loads it when the CPU reports AVX-512 F, BW, VL
 and DQ (MICROTENSOR_KERNELS=avx2 or =baseline asks for a narrower build).
 """
 cdef extern from *:

@@ -21,9 +21,7 @@ from microtensor.nn.module import Module, StateDictError
 from microtensor.nn.containers import (
     Sequential, ModuleList, ModuleDict, ParameterList, ParameterDict,
 )
-from microtensor.nn.layers import (
-    Linear, Embedding, LayerNorm, RMSNorm, Dropout, ReLU, GELU, SiLU, Tanh, Identity,
-)
+from microtensor.nn.layers import Linear, Embedding, Dropout, ReLU, GELU, SiLU, Tanh, Identity
 from microtensor.nn.activations import (
     Sigmoid, Softmax, LogSoftmax, Softmin, LeakyReLU, ELU, SELU, CELU, Softplus, Mish,
     Hardtanh, ReLU6, Hardsigmoid, Hardswish, LogSigmoid, Softsign, Tanhshrink, GLU, Flatten,
@@ -33,17 +31,16 @@ from microtensor.nn.losses import (
     CrossEntropyLoss, NLLLoss, MSELoss, L1Loss, SmoothL1Loss, HuberLoss, BCELoss,
     BCEWithLogitsLoss, KLDivLoss,
 )
-from microtensor.nn.normalization import BatchNorm1d
+from microtensor.nn.normalization import LayerNorm, RMSNorm, BatchNorm1d
 from microtensor.nn.multihead_attention import MultiheadAttention
 from microtensor.nn.transformer import (
     Transformer, TransformerEncoder, TransformerDecoder, TransformerEncoderLayer,
     TransformerDecoderLayer,
 )
-from microtensor import profiler as _profiler
 
 # F's ops are registry rows (scope "F"): the profiler times them and mt.compile records
-# them by their rows; nn.init's fills are registered here
-_profiler.register_ops(init, "nn.init.")    # random draws: a replay draws again
+# them by their rows; nn.init's fills are registered with the profiler by the package's
+# __init__ (the profiler is a layer above nn)
 # mt.compile replays a plan only while each module it called has the training flag it
 # had when recorded
 from microtensor import capture as _capture  # noqa: E402

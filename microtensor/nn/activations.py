@@ -2,7 +2,6 @@
 F.* function in forward (torch's names, arguments and printed form)."""
 from microtensor.core import _core
 from microtensor.nn import functional as F
-from microtensor.ops import functional_extra as FX
 from microtensor.nn.module import Module
 
 __all__ = ["Sigmoid", "Softmax", "LogSoftmax", "Softmin", "LeakyReLU", "ELU", "SELU", "CELU",
@@ -42,7 +41,7 @@ class Softmin(Softmax):
     """y = softmax(-x) along dim"""
 
     def forward(self, input):
-        return FX.softmin(input, self.dim)
+        return F.softmin(input, self.dim)
 
 
 class LeakyReLU(Module):
@@ -53,7 +52,7 @@ class LeakyReLU(Module):
         self.negative_slope, self.inplace = negative_slope, inplace
 
     def forward(self, input):
-        return FX.leaky_relu(input, self.negative_slope)
+        return F.leaky_relu(input, self.negative_slope)
 
     def extra_repr(self):
         return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
@@ -67,7 +66,7 @@ class ELU(Module):
         self.alpha, self.inplace = alpha, inplace
 
     def forward(self, input):
-        return FX.elu(input, self.alpha)
+        return F.elu(input, self.alpha)
 
     def extra_repr(self):
         return f"alpha={self.alpha}" + (", inplace=True" if self.inplace else "")
@@ -77,7 +76,7 @@ class CELU(ELU):
     """y = x where x > 0, else alpha (e^(x/alpha) - 1)"""
 
     def forward(self, input):
-        return FX.celu(input, self.alpha)
+        return F.celu(input, self.alpha)
 
 
 class SELU(Module):
@@ -88,7 +87,7 @@ class SELU(Module):
         self.inplace = inplace
 
     def forward(self, input):
-        return FX.selu(input)
+        return F.selu(input)
 
 
 class Softplus(Module):
@@ -99,7 +98,7 @@ class Softplus(Module):
         self.beta, self.threshold = beta, threshold
 
     def forward(self, input):
-        return FX.softplus(input, self.beta, self.threshold)
+        return F.softplus(input, self.beta, self.threshold)
 
     def extra_repr(self):
         return f"beta={self.beta}, threshold={self.threshold}"
@@ -116,7 +115,7 @@ class Hardtanh(Module):
         self.min_val, self.max_val, self.inplace = min_val, max_val, inplace
 
     def forward(self, input):
-        return FX.hardtanh(input, self.min_val, self.max_val)
+        return F.hardtanh(input, self.min_val, self.max_val)
 
     def extra_repr(self):
         return f"min_val={self.min_val}, max_val={self.max_val}"
@@ -141,12 +140,12 @@ def _simple(name, fn, doc):
     return cls
 
 
-Mish = _simple("Mish", FX.mish, "y = x tanh(softplus(x))")
-Hardsigmoid = _simple("Hardsigmoid", FX.hardsigmoid, "y = clamp(x / 6 + 1/2, 0, 1)")
-Hardswish = _simple("Hardswish", FX.hardswish, "y = x hardsigmoid(x)")
-LogSigmoid = _simple("LogSigmoid", FX.logsigmoid, "y = log sigmoid(x)")
-Softsign = _simple("Softsign", FX.softsign, "y = x / (1 + |x|)")
-Tanhshrink = _simple("Tanhshrink", FX.tanhshrink, "y = x - tanh(x)")
+Mish = _simple("Mish", F.mish, "y = x tanh(softplus(x))")
+Hardsigmoid = _simple("Hardsigmoid", F.hardsigmoid, "y = clamp(x / 6 + 1/2, 0, 1)")
+Hardswish = _simple("Hardswish", F.hardswish, "y = x hardsigmoid(x)")
+LogSigmoid = _simple("LogSigmoid", F.logsigmoid, "y = log sigmoid(x)")
+Softsign = _simple("Softsign", F.softsign, "y = x / (1 + |x|)")
+Tanhshrink = _simple("Tanhshrink", F.tanhshrink, "y = x - tanh(x)")
 
 
 class GLU(Module):
@@ -157,7 +156,7 @@ class GLU(Module):
         self.dim = dim
 
     def forward(self, input):
-        return FX.glu(input, self.dim)
+        return F.glu(input, self.dim)
 
     def extra_repr(self):
         return f"dim={self.dim}"

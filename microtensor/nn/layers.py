@@ -26,13 +26,6 @@ def _size(value, name):
     return int(value)
 
 
-def _shape(normalized_shape):
-    if isinstance(normalized_shape, (int, np.integer)):
-        normalized_shape = (normalized_shape,)
-    shape = tuple(_size(s, "normalized_shape entries") for s in normalized_shape)
-    return shape
-
-
 class Identity(Module):
     """y = x (arguments are accepted and ignored, as torch does)."""
 
@@ -102,68 +95,6 @@ class Embedding(Module):
     def extra_repr(self):
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         return s if self.padding_idx is None else s + f", padding_idx={self.padding_idx}"
-
-
-class LayerNorm(Module):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the trailing
-    `normalized_shape` dims; weight starts at 1, bias at 0."""
-
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
-                 dtype=None):
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = _parameter(self.normalized_shape, dtype)
-            if bias:
-                self.bias = _parameter(self.normalized_shape, dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
-
-    def forward(self, input):
-        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
-
-    def extra_repr(self):
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
-
-
-class RMSNorm(Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight over the trailing `normalized_shape` dims;
-    eps=None means the dtype's machine epsilon (torch's default)."""
-
-    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, dtype=None):
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = _parameter(self.normalized_shape, dtype)
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        if self.weight is not None:
-            init.ones_(self.weight)
-
-    def forward(self, input):
-        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
-
-    def extra_repr(self):
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
 
 
 class Dropout(Module):

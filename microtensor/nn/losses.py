@@ -2,7 +2,6 @@
 matching F.* loss in forward, as torch's do: `criterion = nn.CrossEntropyLoss();
 loss = criterion(logits, targets)`."""
 from microtensor.nn import functional as F
-from microtensor.ops import functional_extra as FX
 from microtensor.nn.module import Module
 
 __all__ = ["CrossEntropyLoss", "NLLLoss", "MSELoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
@@ -59,7 +58,7 @@ class L1Loss(_Loss):
     """|x - y|, reduced"""
 
     def forward(self, input, target):
-        return FX.l1_loss(input, target, reduction=self.reduction)
+        return F.l1_loss(input, target, reduction=self.reduction)
 
 
 class SmoothL1Loss(_Loss):
@@ -70,7 +69,7 @@ class SmoothL1Loss(_Loss):
         self.beta = beta
 
     def forward(self, input, target):
-        return FX.smooth_l1_loss(input, target, reduction=self.reduction, beta=self.beta)
+        return F.smooth_l1_loss(input, target, reduction=self.reduction, beta=self.beta)
 
 
 class HuberLoss(_Loss):
@@ -81,7 +80,7 @@ class HuberLoss(_Loss):
         self.delta = delta
 
     def forward(self, input, target):
-        return FX.huber_loss(input, target, reduction=self.reduction, delta=self.delta)
+        return F.huber_loss(input, target, reduction=self.reduction, delta=self.delta)
 
 
 class BCELoss(_Loss):
@@ -92,7 +91,7 @@ class BCELoss(_Loss):
         self.weight = weight
 
     def forward(self, input, target):
-        return FX.binary_cross_entropy(input, target, self.weight, self.reduction)
+        return F.binary_cross_entropy(input, target, self.weight, self.reduction)
 
 
 class BCEWithLogitsLoss(_Loss):
@@ -103,7 +102,7 @@ class BCEWithLogitsLoss(_Loss):
         self.weight, self.pos_weight = weight, pos_weight
 
     def forward(self, input, target):
-        return FX.binary_cross_entropy_with_logits(input, target, self.weight, self.reduction,
+        return F.binary_cross_entropy_with_logits(input, target, self.weight, self.reduction,
                                                    self.pos_weight)
 
 
@@ -115,4 +114,4 @@ class KLDivLoss(_Loss):
         self.log_target = log_target
 
     def forward(self, input, target):
-        return FX.kl_div(input, target, reduction=self.reduction, log_target=self.log_target)
+        return F.kl_div(input, target, reduction=self.reduction, log_target=self.log_target)

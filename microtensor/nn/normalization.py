@@ -1,12 +1,84 @@
-"""BatchNorm1d: normalise each channel over the batch (makemore's favourite layer)."""
+"""The normalisation layers: LayerNorm and RMSNorm over the trailing dims (a Transformer's),
+BatchNorm1d over the batch, per channel (makemore's favourite layer)."""
 import numpy as np
 
 from microtensor.core._core import Parameter, wrap, as_dtype
 from microtensor.ops.creation_extra import _check_device
-from microtensor.ops import functional_extra as FX
+from microtensor.nn import functional as F
+from microtensor.nn import init
+from microtensor.nn.layers import _parameter, _size
 from microtensor.nn.module import Module
 
-__all__ = ["BatchNorm1d"]
+__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d"]
+
+
+def _shape(normalized_shape):
+    if isinstance(normalized_shape, (int, np.integer)):
+        normalized_shape = (normalized_shape,)
+    shape = tuple(_size(s, "normalized_shape entries") for s in normalized_shape)
+    return shape
+
+
+class LayerNorm(Module):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the trailing
+    `normalized_shape` dims; weight starts at 1, bias at 0."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 dtype=None):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = _parameter(self.normalized_shape, dtype)
+            if bias:
+                self.bias = _parameter(self.normalized_shape, dtype)
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input):
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class RMSNorm(Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the trailing `normalized_shape` dims;
+    eps=None means the dtype's machine epsilon (torch's default)."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, dtype=None):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = _parameter(self.normalized_shape, dtype)
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            init.ones_(self.weight)
+
+    def forward(self, input):
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
 
 
 class BatchNorm1d(Module):
@@ -49,7 +121,7 @@ class BatchNorm1d(Module):
             self.num_batches_tracked.add_(1)
             if self.momentum is None:           # a cumulative average over the batches seen
                 momentum = 1.0 / float(self.num_batches_tracked.item())
-        return FX.batch_norm(input, self.running_mean if self.track_running_stats else None,
+        return F.batch_norm(input, self.running_mean if self.track_running_stats else None,
                              self.running_var if self.track_running_stats else None,
                              self.weight, self.bias, training, momentum, self.eps)
 

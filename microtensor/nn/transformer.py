@@ -25,7 +25,8 @@ from microtensor.core._core import Tensor
 from microtensor.nn import functional as F
 from microtensor.nn import init
 from microtensor.nn.containers import ModuleList
-from microtensor.nn.layers import Linear, LayerNorm, Dropout, ReLU, GELU
+from microtensor.nn.layers import Linear, Dropout, ReLU, GELU
+from microtensor.nn.normalization import LayerNorm
 from microtensor.nn.module import Module
 from microtensor.nn.multihead_attention import MultiheadAttention, canonical_mask
 from microtensor.ops.creation_extra import _check_device

@@ -1,4 +1,4 @@
-"""Helpers shared by the ops_* modules: argument checks (a tensor, a dim, dims), the
+"""Helpers shared by the op families of ops/: argument checks (a tensor, a dim, dims), the
 float32 default for integer input, and `declare_saved` (what a rule reads)."""
 import builtins
 

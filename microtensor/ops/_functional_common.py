@@ -2,7 +2,7 @@
 the `reduction` option), the dtype error they raise, array plumbing (contiguous
 copies, private index copies, upstream gradients in the right shape and dtype), the
 thread count a kernel of a given size gets. The loader that picks the build of the
-kernels (AVX-512, AVX2+FMA or baseline) is microtensor.runtime._kernel_choice's, imported here;
+kernels (AVX-512, AVX2+FMA or baseline) is microtensor.kernels._choice's, imported here;
 `microtensor.ops._kernels` loads the kernels once and holds them as `fused` and
 `attention`; the op modules read them there.
 """
@@ -22,7 +22,7 @@ declare_saved = _core.declare_saved
 from microtensor.runtime._blas_choice import (  # noqa: E402,F401  (names the tests and benchmarks read)
     _cpu_features, _cpu_has_avx2_fma, _cpu_has_avx512,
 )
-from microtensor.runtime._kernel_choice import (  # noqa: E402,F401
+from microtensor.kernels._choice import (  # noqa: E402,F401
     KERNEL_BUILDS, _kernel_request, _import_build, kernel_builds_here, _load_kernels,
 )
 
@@ -105,7 +105,3 @@ def _wants_grad(node, i):
 def _check_reduction(reduction):
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-
-
-# broadcasting is undone in one place, the core's unbroadcast()
-_unbroadcast = _core.sum_to_shape

@@ -1,7 +1,7 @@
 """F's activations: relu, sigmoid and tanh (the core's ops under torch's names),
 softmax and log_softmax along any dim, gelu (exact or tanh) and silu; the last four
 are one fused node each, the Backward node right above its forward function.
-The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.fused` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
 import numpy as np
@@ -14,6 +14,8 @@ import microtensor.core._core as _core
 from microtensor.core._core import Node, wrap, needs_graph, attach, register_ops
 from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
 from microtensor.ops import _kernels
+from microtensor.ops import extra as _ops
+from microtensor.ops._common import _dim
 from microtensor.ops._functional_common import (
     declare_saved, _float_array, _contig, _grad_as, _threads,
 )
@@ -232,9 +234,130 @@ def silu(input, inplace=False):
     return out
 
 
+# ---- the other activations: compositions of differentiable ops -------------------------
+
+def softplus(input, beta=1.0, threshold=20.0):
+    """log(1 + e^(beta x)) / beta; linear above threshold"""
+    return _ops.softplus(input, beta, threshold)
+
+
+def leaky_relu(input, negative_slope=0.01, inplace=False):
+    """x where x > 0, else negative_slope x"""
+    return _core.where(_core.gt(input, 0), input, _core.mul(input, negative_slope))
+
+
+def _expm1_negative_part(x, scale=1.0):
+    # NOTE: the unselected branch of where() still gets a zero gradient multiplied by its
+    # derivative, so exp must not overflow there: evaluate it on min(x, 0)
+    return _ops.expm1(_core.mul(_core.clamp(x, max=0.0), scale))
+
+
+def elu(input, alpha=1.0, inplace=False):
+    """x where x > 0, else alpha (e^x - 1)"""
+    return _core.where(_core.gt(input, 0), input, _core.mul(_expm1_negative_part(input), alpha))
+
+
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def selu(input, inplace=False):
+    """scale * elu(x, alpha) with the self-normalizing constants"""
+    return _core.mul(elu(input, _SELU_ALPHA), _SELU_SCALE)
+
+
+def celu(input, alpha=1.0, inplace=False):
+    """x where x > 0, else alpha (e^(x/alpha) - 1)"""
+    return _core.where(_core.gt(input, 0), input,
+                       _core.mul(_expm1_negative_part(input, 1.0 / alpha), alpha))
+
+
+def _clamp_open(input, lo, hi):
+    """clamp(x, lo, hi) with the gradient of torch's hardtanh: g strictly between the
+    bounds, 0 at and beyond them (clamp's own gradient passes at the bounds); NaN keeps g."""
+    outside = _core.logical_or(_core.le(input, lo), _core.ge(input, hi))
+    return _core.where(outside, _core.clamp(input.detach(), lo, hi), input)
+
+
+def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
+    """clamp(x, min_val, max_val); gradient 0 at the bounds, as torch"""
+    return _clamp_open(input, min_val, max_val)
+
+
+def relu6(input, inplace=False):
+    """hardtanh(x, 0, 6): gradient 0 at 0 and at 6, as torch"""
+    return _clamp_open(input, 0.0, 6.0)
+
+
+def hardsigmoid(input, inplace=False):
+    """clamp(x / 6 + 1/2, 0, 1); gradient 0 at x = -3 and 3, as torch (so hardswish's is
+    0 at -3 and g at 3)"""
+    return _clamp_open(_core.add(_core.div(input, 6.0), 0.5), 0.0, 1.0)
+
+
+def hardswish(input, inplace=False):
+    """x * hardsigmoid(x)"""
+    return _core.mul(input, hardsigmoid(input))
+
+
+def mish(input, inplace=False):
+    """x * tanh(softplus(x))"""
+    return _core.mul(input, _core.tanh(_ops.softplus(input)))
+
+
+def logsigmoid(input):
+    """log(1 / (1 + e^-x)) = -softplus(-x), exact for any x"""
+    return _core.neg(_ops.softplus(_core.neg(input), threshold=math.inf))
+
+
+def softsign(input):
+    """x / (1 + |x|)"""
+    return _core.div(input, _core.add(_core.abs(input), 1.0))
+
+
+def softmin(input, dim=None, dtype=None):
+    """softmax(-x)"""
+    return softmax(_core.neg(input), dim)
+
+
+def tanhshrink(input):
+    """x - tanh(x)"""
+    return _core.sub(input, _core.tanh(input))
+
+
+def glu(input, dim=-1):
+    """a * sigmoid(b), with (a, b) the two halves of input along dim"""
+    d = _dim(dim, input.ndim, "glu")
+    if input.shape[d] % 2:
+        raise RuntimeError(f"glu: Halving dimension must be even, but dimension {d} is size "
+                           f"{input.shape[d]}")
+    a, b = _core.chunk(input, 2, d)
+    return _core.mul(a, _core.sigmoid(b))
+
+
+def gumbel_softmax(logits, tau=1.0, hard=False, eps=1e-10, dim=-1):
+    """softmax((logits + g) / tau) with Gumbel noise g = -log(E), E ~ Exp(1); with hard,
+    the one-hot argmax in forward and the soft gradient in backward (straight through)"""
+    noise = -np.log(_core.default_generator().exponential(1.0, tuple(logits.shape)))
+    y_soft = softmax(_core.div(_core.add(logits, wrap(noise.astype(logits._data.dtype))),
+                                    tau), dim)
+    if not hard:
+        return y_soft
+    d = _dim(dim, y_soft.ndim, "gumbel_softmax")
+    index = np.expand_dims(np.argmax(y_soft._data, axis=d), d)
+    y_hard = np.zeros(y_soft.shape, dtype=y_soft._data.dtype)
+    np.put_along_axis(y_hard, index, 1.0, axis=d)
+    return _core.add(_core.sub(wrap(y_hard), y_soft.detach()), y_soft)
+
+
 # ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
 
 register_ops("pointwise", globals(), "relu sigmoid tanh gelu silu", scope="F")
 # mt.softmax and t.softmax(dim) are these same ops (the core has no softmax of its own)
 _core.register_op("softmax", softmax, kind="fused")
 _core.register_op("log_softmax", log_softmax, kind="fused")
+register_ops("pointwise", globals(), """
+    celu elu hardsigmoid hardswish hardtanh leaky_relu logsigmoid mish relu6 selu softplus
+    softsign tanhshrink""", scope="F")
+register_ops("fused", globals(), "softmin glu", scope="F")
+register_ops("random", globals(), "gumbel_softmax", scope="F")

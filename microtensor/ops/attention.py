@@ -1,7 +1,7 @@
 """F.scaled_dot_product_attention: one fused node over blocks of query rows, with a
 bool or float mask (broadcast over batch dims without being expanded), is_causal,
 dropout and a custom scale; the Backward node sits right above the forward function.
-The kernels are read from `_kernels.attention` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.attention` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
 import math
@@ -17,7 +17,7 @@ from microtensor.ops import _kernels
 from microtensor.ops.index import repeat_interleave
 from microtensor.ops._functional_common import (
     DtypeError, declare_saved, _float_array, _same_dtype, _threads,
-    _wants_grad, _unbroadcast,
+    _wants_grad,
 )
 
 
@@ -120,16 +120,10 @@ class AttentionBackward(FusedNode):
         # when a float mask requires grad (a learned bias), never on the usual path
         dmask = np.zeros((self.BH, q.shape[2], k.shape[2]), q.dtype) if want_dmask else None
         self.into(g, dq, dk, dv, dmask)
-        grads = []
-        for d, shape in zip((dq, dk, dv), self.shapes):
-            grads.append(_unbroadcast(d.reshape(self.batch + d.shape[2:]), shape))
-        if len(self.inputs) > 3:
-            if want_dmask:                               # (BH, Tq, Tk) -> the mask's own shape
-                m2 = self.mask_shape_2d
-                d = _unbroadcast(dmask.reshape(self.batch + dmask.shape[1:]), m2)
-                grads.append(d.reshape(self.mask_shape).astype(self.mask_dtype, copy=False))
-            else:
-                grads.append(None)
+        # each in the broadcast batch shape: the engine sums it to its input's own shape
+        grads = [d.reshape(self.batch + d.shape[2:]) for d in (dq, dk, dv)]
+        if len(self.inputs) > 3:                         # (BH, Tq, Tk) -> batch + (Tq, Tk)
+            grads.append(dmask.reshape(self.batch + dmask.shape[1:]) if want_dmask else None)
         return tuple(grads)
 
     def into(self, g, dq, dk, dv, dmask=None):
@@ -248,9 +242,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if node is not None:
         # a float mask tensor is an input: it may take a gradient, and its slabs may be
         # views of it that backward reads (a bool mask is turned into a private array)
-        node.shapes = (q.shape, k.shape, v.shape)
-        if mask_input:
-            node.mask_shape, node.mask_shape_2d, node.mask_dtype = attn_mask.shape, m2.shape, attn_mask.dtype
         attach(out, node, inputs)
     return out
 
@@ -438,6 +429,5 @@ def attention_on_views(x, views, chain, out_as=None, dropout_p=0.0, is_causal=Fa
                              f"{v.shape} and strides {q.strides}, {k.strides}, {v.strides} "
                              "are not rows the kernels read in place")
         node.x_shape, node.views, node.chain, node.out_layout = xd.shape, views, chain, layout
-        node.shapes = (q.shape, k.shape, v.shape)
         attach(result, node, (x,))
     return result

@@ -17,14 +17,14 @@ import scipy.special
 
 import microtensor.core._core as _core
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, register_ops
-from microtensor.autograd.graph_rules import _sum_to, DifferentiableRule, FusedNode
+from microtensor.autograd.graph_rules import DifferentiableRule, FusedNode
 
 _LN2 = math.log(2.0)
 _LN10 = math.log(10.0)
 _SQRT_PI = math.sqrt(math.pi)
 
 
-# helpers shared by the ops_* modules (imported from here by the others, too)
+# helpers shared by the op families of ops/ (imported from here by the others, too)
 from microtensor.ops._common import _tensor, _dim, _dims, _float, _array, declare_saved  # noqa: E402,F401
 
 
@@ -179,8 +179,8 @@ class Atan2Backward(DifferentiableRule):
         """the same, from differentiable ops on the live inputs (differentiable again)"""
         a, b = self.inputs
         r = _core.div(g, _core.add(_core.mul(a, a), _core.mul(b, b)))
-        da = _sum_to(_core.mul(r, b), self.a_shape) if a.requires_grad else None
-        db = _sum_to(_core.neg(_core.mul(r, a)), self.b_shape) if b.requires_grad else None
+        da = _core.mul(r, b) if a.requires_grad else None
+        db = _core.neg(_core.mul(r, a)) if b.requires_grad else None
         return (da, db)
 
 
@@ -200,9 +200,7 @@ def atan2(input, other):
                                "together") from None
     out = wrap(np.asarray(y))
     if needs_graph((ta, tb)):
-        node = Atan2Backward()
-        node.a_shape, node.b_shape = a.shape, b.shape
-        attach(out, node, (ta, tb))
+        attach(out, Atan2Backward(), (ta, tb))
     return out
 
 

@@ -1,7 +1,7 @@
 """F's layers: linear, embedding and dropout, each a forward function right below its
 Backward node, whose first docstring line states the math. `mt.nn.functional` hands them
 on with the other families (ops/activations.py, normalization.py, losses.py,
-attention.py, functional_extra.py, rope.py); the kernels every op runs are
+attention.py, distance.py, padding.py, rope.py); the kernels every op runs are
 `_kernels.fused` and `_kernels.attention`, the widest build the CPU runs.
 """
 import math
@@ -15,7 +15,7 @@ from microtensor.autograd.graph_rules import FusedNode
 from microtensor.ops._functional_common import (  # noqa: F401
     declare_saved, _cpu_has_avx2_fma, DtypeError, _tensor, _float_array,
     _same_dtype, _contig, _owned_indices, _grad_as, _PARALLEL_MIN, _PARALLEL_MIN_MEMORY_BOUND,
-    _threads, _wants_grad, _check_reduction, _unbroadcast,
+    _threads, _wants_grad, _check_reduction,
 )
 
 from microtensor.ops import _kernels  # the build of the fused kernels every op reads

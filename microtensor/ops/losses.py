@@ -1,20 +1,24 @@
 """F's losses: cross_entropy (one fused node, torch's logits/target layouts plus
 class dim last), nll_loss (from differentiable ops) and mse_loss (one node), the
 Backward node right above its forward function.
-The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.fused` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
+import math
+
 import numpy as np
 
 from microtensor.core._core import Tensor, Node, wrap, needs_graph, attach, ShapeError, register_ops
 import microtensor.core._core as _core
-from microtensor.autograd.graph_rules import _wants, _sum_to, _const, DifferentiableRule
+from microtensor.autograd.graph_rules import _wants, _const, DifferentiableRule
 from microtensor.ops.activations import softmax, log_softmax
 from microtensor.ops import _kernels
 from microtensor.core._core import ArgumentError
+from microtensor.ops import extra as _ops
+from microtensor.ops._common import _tensor
 from microtensor.ops._functional_common import (
-    DtypeError, declare_saved, _tensor, _float_array, _contig, _owned_indices, _threads,
-    _wants_grad, _check_reduction, _unbroadcast,
+    DtypeError, declare_saved, _float_array, _contig, _owned_indices, _threads,
+    _check_reduction,
 )
 
 
@@ -287,7 +291,7 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     counted targets (NaN, with a zero gradient, when none is counted), as torch.
     Layouts: (C,) with (), (N, C) with (N,), (N, C, d1, ...) with (N, d1, ...)."""
     from microtensor.core import _core as C
-    logp = _tensor(input, "nll_loss input")
+    logp = _tensor(input, "nll_loss")
     reduction = _legacy_reduction(size_average, reduce, reduction)
     _check_reduction(reduction)
     t = target._data if isinstance(target, Tensor) else np.asarray(target)
@@ -352,8 +356,7 @@ class MSELossBackward(DifferentiableRule):
             # (an empty input has an empty gradient: no division by its size of 0)
             n = max(diff.numel(), 1) if self.reduction == "mean" else 1
             d = _core.mul(diff, _core.mul(g, 2.0 / n))
-        return (_sum_to(d, self.a_shape) if _wants(self, 0) else None,
-                _core.neg(_sum_to(d, self.b_shape)) if _wants(self, 1) else None)
+        return (d if _wants(self, 0) else None, _core.neg(d) if _wants(self, 1) else None)
 
 
 declare_saved(MSELossBackward, 0, 1)
@@ -380,11 +383,151 @@ def mse_loss(input, target, reduction="mean"):
     inputs = (input, target)
     if needs_graph(inputs):
         node = MSELossBackward()
-        node.reduction, node.a_shape, node.b_shape = reduction, a.shape, b.shape
+        node.reduction = reduction
         attach(out, node, inputs)
     return out
+
+
+# ---- the other losses: compositions of differentiable ops, and binary cross-entropy (one node) --
+
+def _reduce(loss, reduction, op):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return _core.sum(loss)
+    if reduction == "mean":
+        return _core.mean(loss)
+    raise ValueError(f"{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _same_shape(input, target, op):
+    if tuple(input.shape) != tuple(target.shape):
+        raise ShapeError(f"{op}: Using a target size ({tuple(target.shape)}) that is different "
+                         f"to the input size ({tuple(input.shape)}) is not allowed")
+
+
+class BinaryCrossEntropyBackward(DifferentiableRule):
+    """l = -w (t log x + (1-t) log(1-x));  dx = w (x - t) / max(x (1-x), 1e-12) g,
+    dt = w (log(1-x) - log x) g   (logs clamped at -100, as torch)"""
+
+    def create_graph(self, g):
+        """l = -w (t log x + (1-t) log(1-x));  dx = w (x - t) / max(x (1-x), 1e-12) g,
+        dt = w (log(1-x) - log x) g   (logs clamped at -100, as the forward)"""
+        x, t = self.inputs
+        xa = self.x
+        if self.reduction == "mean":
+            g = _core.div(g, float(xa.size))
+        x = x if x is not None else wrap(xa)
+        t = t if t is not None else wrap(self.t)
+        w = _const(self.w, g.dtype)
+        dx = dt = None
+        if _wants(self, 0):
+            tiny = xa * (1 - xa) < 1e-12
+            denom = _core.where(tiny, 1e-12, _core.mul(x, _core.sub(1.0, x)))
+            dx = _core.mul(_core.div(_core.mul(_core.sub(x, t), w), denom), g)
+        if _wants(self, 1):
+            def clamped_log(v, low):                  # log(v), -100 where it is below -100
+                return _core.where(low, -100.0, _core.log(_core.where(low, 1.0, v)))
+            log_x = clamped_log(x, self.logx <= -100)
+            log_1mx = clamped_log(_core.sub(1.0, x), self.log1mx <= -100)
+            dt = _core.mul(_core.mul(_core.sub(log_1mx, log_x), w), g)
+        return (dx, dt)
+
+
+declare_saved(BinaryCrossEntropyBackward, 0, 1)
+
+
+def binary_cross_entropy(input, target, weight=None, reduction="mean"):
+    """-w (t log x + (1-t) log(1-x)) with x in [0, 1]"""
+    x, t = _tensor(input, "binary_cross_entropy"), _tensor(target, "binary_cross_entropy", "target")
+    _same_shape(x, t, "binary_cross_entropy")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"binary_cross_entropy: reduction must be 'mean', 'sum' or 'none', "
+                         f"got {reduction!r}")
+    xa = x._data
+    if xa.dtype.kind != "f":
+        raise TypeError(f"binary_cross_entropy: input must be floating, got {xa.dtype}")
+    if xa.size and not ((xa >= 0) & (xa <= 1)).all():
+        raise RuntimeError("all elements of input should be between 0 and 1")
+    ta = t._data.astype(xa.dtype, copy=False)
+    w = np.asarray(1.0 if weight is None else _ops._array(weight), dtype=xa.dtype)
+    with np.errstate(divide="ignore"):
+        logx = np.maximum(np.log(xa), -100)
+        log1mx = np.maximum(np.log1p(-xa), -100)
+    loss = -w * (ta * logx + (1 - ta) * log1mx)
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.mean() if loss.size else np.asarray(np.nan)
+    out = wrap(np.asarray(loss, dtype=xa.dtype))
+    inputs = (x, t)
+    if needs_graph(inputs):
+        node = BinaryCrossEntropyBackward()
+        node.x, node.t, node.w = xa, ta, np.broadcast_to(w, xa.shape)
+        node.logx, node.log1mx, node.reduction = logx, log1mx, reduction
+        attach(out, node, inputs)
+    return out
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, reduction="mean",
+                                     pos_weight=None):
+    """(1 - t) x + (1 + (pos_weight - 1) t) softplus(-x), times weight; exact for any x"""
+    x, t = _tensor(input, "binary_cross_entropy_with_logits"), target
+    _same_shape(x, t, "binary_cross_entropy_with_logits")
+    sp = _ops.softplus(_core.neg(x), threshold=math.inf)           # log(1 + e^-x)
+    if pos_weight is not None:
+        sp = _core.mul(_core.add(_core.mul(_core.sub(pos_weight, 1), t), 1), sp)
+    loss = _core.add(_core.mul(_core.sub(1, t), x), sp)
+    if weight is not None:
+        loss = _core.mul(loss, weight)
+    return _reduce(loss, reduction, "binary_cross_entropy_with_logits")
+
+
+def l1_loss(input, target, reduction="mean"):
+    """|x - y|, reduced"""
+    _same_shape(input, target, "l1_loss")
+    return _reduce(_core.abs(_core.sub(input, target)), reduction, "l1_loss")
+
+
+def smooth_l1_loss(input, target, reduction="mean", beta=1.0):
+    """0.5 d^2 / beta where |d| < beta, else |d| - 0.5 beta  (d = x - y)"""
+    _same_shape(input, target, "smooth_l1_loss")
+    if beta < 0:
+        raise RuntimeError("smooth_l1_loss does not support negative values for beta.")
+    d = _core.sub(input, target)
+    a = _core.abs(d)
+    if beta == 0:
+        return _reduce(a, reduction, "smooth_l1_loss")
+    loss = _core.where(_core.lt(a, beta), _core.mul(_core.mul(d, d), 0.5 / beta),
+                       _core.sub(a, 0.5 * beta))
+    return _reduce(loss, reduction, "smooth_l1_loss")
+
+
+def huber_loss(input, target, reduction="mean", delta=1.0):
+    """0.5 d^2 where |d| < delta, else delta (|d| - 0.5 delta)"""
+    _same_shape(input, target, "huber_loss")
+    d = _core.sub(input, target)
+    a = _core.abs(d)
+    loss = _core.where(_core.lt(a, delta), _core.mul(_core.mul(d, d), 0.5),
+                       _core.mul(_core.sub(a, 0.5 * delta), delta))
+    return _reduce(loss, reduction, "huber_loss")
+
+
+def kl_div(input, target, reduction="mean", log_target=False):
+    """target (log target - input), input holding log-probabilities; 'batchmean' divides
+    the sum by the batch size (the true KL divergence)"""
+    if log_target:
+        loss = _core.mul(_core.exp(target), _core.sub(target, input))
+    else:
+        loss = _core.sub(_ops.xlogy(target, target), _core.mul(target, input))
+    if reduction == "batchmean":
+        return _core.div(_core.sum(loss), input.shape[0] if input.ndim else 1)
+    return _reduce(loss, reduction, "kl_div")
 
 
 # ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
 
 register_ops("fused", globals(), "cross_entropy nll_loss mse_loss", scope="F")
+register_ops("fused", globals(), """
+    binary_cross_entropy binary_cross_entropy_with_logits huber_loss kl_div l1_loss
+    smooth_l1_loss""", scope="F")

@@ -36,7 +36,8 @@ cdef object _mm(object x, object y):
     return np.matmul(x, y)
 
 cdef class MatmulBackward(Node):
-    """y = a @ b;  da = g @ b^T,  db = a^T @ g   (batch dims unbroadcast)"""
+    """y = a @ b;  da = g @ b^T,  db = a^T @ g   (over broadcast batch dims: the engine
+    sums them back to each operand's shape)"""
     cdef readonly object a, b
     cpdef tuple backward(self, g):
         a, b = self.a, self.b
@@ -55,7 +56,6 @@ cdef class MatmulBackward(Node):
             da = _mm(g, np.swapaxes(b2, -1, -2))
             if a1:
                 da = da.reshape(da.shape[:-2] + (da.shape[-1],))
-            da = unbroadcast(da, a.shape)
         if self.inputs[1] is not None:
             if b2.ndim == 2 and a2.ndim > 2:
                 # sum over the batch of a_i^T g_i = one 2-D product of the flattened rows
@@ -64,7 +64,6 @@ cdef class MatmulBackward(Node):
                 db = _mm(np.swapaxes(a2, -1, -2), g)
             if b1:
                 db = db[..., 0]
-            db = unbroadcast(db, b.shape)
         return (da, db)
 
     cpdef release(self):
@@ -90,12 +89,10 @@ cdef class MatmulBackward(Node):
             da = matmul(g, transpose(b2, -1, -2))
             if a1:
                 da = squeeze(da, -2)
-            da = _sum_to(da, a.shape)
         if _wants(self, 1):
             db = matmul(transpose(a2, -1, -2), g)
             if b1:
                 db = squeeze(db, -1)
-            db = _sum_to(db, b.shape)
         return (da, db)
 
 

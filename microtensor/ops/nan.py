@@ -11,7 +11,7 @@ import numpy as np
 import microtensor.core._core as _core
 from microtensor.core._core import Tensor, wrap, needs_graph, attach, register_op
 from microtensor.ops._common import declare_saved
-from microtensor.autograd.graph_rules import _sum_to, DifferentiableRule
+from microtensor.autograd.graph_rules import DifferentiableRule
 
 
 class FmaxBackward(DifferentiableRule):
@@ -20,9 +20,7 @@ class FmaxBackward(DifferentiableRule):
     def create_graph(self, g):
         """The gradient, in differentiable ops: first order and gradients of gradients."""
         took_a, zero = wrap(self.took_a), _core.zeros_like(g)
-        da = _sum_to(_core.where(took_a, g, zero), self.a_shape)
-        db = _sum_to(_core.where(took_a, zero, g), self.b_shape)
-        return (da, db)
+        return (_core.where(took_a, g, zero), _core.where(took_a, zero, g))
 
 
 declare_saved(FmaxBackward)     # the rule reads its own mask, not the inputs
@@ -44,7 +42,6 @@ def _fmax_like(input, other, take_larger):
         node = FmaxBackward()
         with np.errstate(invalid="ignore"):
             node.took_a = ((a >= b) if take_larger else (a <= b)) | np.isnan(b)
-        node.a_shape, node.b_shape = a.shape, b.shape
         attach(y, node, (input, other))
     return y
 

@@ -1,7 +1,7 @@
 """F's normalisation ops, layer_norm and rms_norm over the trailing
 `normalized_shape` dims: one fused node each (forward and backward kernels over rows),
 the Backward node right above its forward function.
-The kernels are read from `_kernels.fused` at call time: microtensor/nn/_kernels.py holds
+The kernels are read from `_kernels.fused` at call time: microtensor/ops/_kernels.py holds
 the build chosen at import (and a test may swap it there).
 """
 import math
@@ -12,6 +12,7 @@ from microtensor.core._core import wrap, needs_graph, attach, ShapeError, regist
 import microtensor.core._core as _core
 from microtensor.autograd.graph_rules import _const, FusedNode
 from microtensor.ops import _kernels
+from microtensor.ops._common import _tensor
 from microtensor.ops._functional_common import (
     declare_saved, _float_array, _same_dtype, _contig, _grad_as, _threads, _wants_grad,
 )
@@ -183,6 +184,49 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     return out
 
 
+# ---- batch norm: a composition of differentiable ops -----------------------------------
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+               momentum=0.1, eps=1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the batch (and length) dims of
+    (N, C) or (N, C, L); in training the batch statistics are used and the running ones
+    updated in place (unbiased variance, as torch)."""
+    x = _tensor(input, "batch_norm")
+    if x.ndim not in (2, 3):
+        raise ValueError(f"batch_norm: expected 2D or 3D input (got {x.ndim}D input)")
+    dims = (0,) if x.ndim == 2 else (0, 2)
+    shape = (1, x.shape[1]) if x.ndim == 2 else (1, x.shape[1], 1)
+    if training:
+        n = x.shape[0] * (x.shape[2] if x.ndim == 3 else 1)
+        if n <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input "
+                             f"size {tuple(x.shape)}")
+        mean = _core.mean(x, dim=dims, keepdim=True)
+        var = _core.var(x, dim=dims, keepdim=True, correction=0)
+        # NOTE: out of place, then copy_: the in-place mul_ would turn the Python float into
+        # a float32 array and round a float64 running average
+        with _core.no_grad():
+            if running_mean is not None:
+                running_mean.copy_(running_mean * (1 - momentum)
+                                   + mean.detach().reshape(-1) * momentum)
+            if running_var is not None:
+                unbiased = var.detach().reshape(-1) * (n / (n - 1))
+                running_var.copy_(running_var * (1 - momentum) + unbiased * momentum)
+    else:
+        if running_mean is None or running_var is None:
+            raise RuntimeError("batch_norm: running_mean and running_var are needed when not "
+                               "training")
+        mean = _core.reshape(running_mean, *shape)
+        var = _core.reshape(running_var, *shape)
+    y = _core.div(_core.sub(x, mean), _core.sqrt(_core.add(var, eps)))
+    if weight is not None:
+        y = _core.mul(y, _core.reshape(weight, *shape))
+    if bias is not None:
+        y = _core.add(y, _core.reshape(bias, *shape))
+    return y
+
+
 # ---- the registry rows: F.<name> (a scoped row: no mt. function, no Tensor method) ----
 
 register_ops("fused", globals(), "layer_norm rms_norm", scope="F")
+register_ops("fused", globals(), "batch_norm", scope="F")

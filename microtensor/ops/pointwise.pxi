@@ -1,17 +1,6 @@
 # Elementwise ops: each Backward node (the rule) sits right above its forward function.
-# Broadcasting is undone in exactly one place: unbroadcast().
-
-cdef object unbroadcast(object grad, tuple shape):
-    """Sum `grad` down to `shape`, undoing numpy broadcasting."""
-    if grad.shape == shape:
-        return grad
-    cdef int extra = grad.ndim - len(shape)
-    if extra > 0:
-        grad = grad.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, s in enumerate(shape) if s == 1 and grad.shape[i] != 1)
-    if axes:
-        grad = grad.sum(axis=axes, keepdims=True)
-    return grad
+# A rule returns its gradients in the broadcast (output) shape: the engine sums each down
+# to its input's shape (core/broadcast.pxi, _as_grad_array), once for every rule.
 
 
 cdef inline object _operand(object x):
@@ -62,14 +51,12 @@ cdef inline Tensor _binary_result(object out, object ta, object tb, Node node):
 
 cdef class AddBackward(Node):
     """y = a + b;  da = g,  db = g"""
-    cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
-        return (unbroadcast(g, self.ashape), unbroadcast(g, self.bshape))
+        return (g, g)
 
     def create_graph(self, g):
         """y = a + b;  da = g,  db = g"""
-        return (_sum_to(g, self.ashape) if _wants(self, 0) else None,
-                _sum_to(g, self.bshape) if _wants(self, 1) else None)
+        return (g if _wants(self, 0) else None, g if _wants(self, 1) else None)
 
 
 def add(a, b, alpha=1):
@@ -80,24 +67,17 @@ def add(a, b, alpha=1):
         out = _promote(np.add(x, y), x, y)
     except ValueError:
         raise _broadcast_error("add", x, y) from None
-    cdef AddBackward node = AddBackward.__new__(AddBackward)
-    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
-    return _binary_result(out, a, b, node)
+    return _binary_result(out, a, b, AddBackward.__new__(AddBackward))
 
 
 cdef class SubBackward(Node):
     """y = a - b;  da = g,  db = -g"""
-    cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
-        db = None
-        if self.inputs[1] is not None:
-            db = unbroadcast(np.negative(g), self.bshape)
-        return (unbroadcast(g, self.ashape), db)
+        return (g, np.negative(g) if self.inputs[1] is not None else None)
 
     def create_graph(self, g):
         """y = a - b;  da = g,  db = -g"""
-        return (_sum_to(g, self.ashape) if _wants(self, 0) else None,
-                _sum_to(neg(g), self.bshape) if _wants(self, 1) else None)
+        return (g if _wants(self, 0) else None, neg(g) if _wants(self, 1) else None)
 
 
 def sub(a, b, alpha=1):
@@ -110,9 +90,7 @@ def sub(a, b, alpha=1):
         raise _broadcast_error("sub", x, y) from None
     except TypeError:
         raise TypeError("subtraction of bool tensors is not supported; use logical ops") from None
-    cdef SubBackward node = SubBackward.__new__(SubBackward)
-    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
-    return _binary_result(out, a, b, node)
+    return _binary_result(out, a, b, SubBackward.__new__(SubBackward))
 
 
 cdef class MulBackward(Node):
@@ -121,9 +99,9 @@ cdef class MulBackward(Node):
     cpdef tuple backward(self, g):
         da = db = None
         if self.inputs[0] is not None:
-            da = unbroadcast(g * self.b, _shape_of(self.a))
+            da = g * self.b
         if self.inputs[1] is not None:
-            db = unbroadcast(g * self.a, _shape_of(self.b))
+            db = g * self.a
         return (da, db)
 
     cpdef release(self):
@@ -132,8 +110,8 @@ cdef class MulBackward(Node):
     def create_graph(self, g):
         """y = a * b;  da = g * b,  db = g * a"""
         a, b = _live(self, 0, self.a), _live(self, 1, self.b)
-        return (_sum_to(mul(g, b), _shape_of(self.a)) if _wants(self, 0) else None,
-                _sum_to(mul(g, a), _shape_of(self.b)) if _wants(self, 1) else None)
+        return (mul(g, b) if _wants(self, 0) else None,
+                mul(g, a) if _wants(self, 1) else None)
 
 
 def mul(a, b):
@@ -151,13 +129,11 @@ cdef class DivBackward(Node):
     """y = a / b;  da = g / b,  db = -g * a / b^2"""
     cdef readonly object a, b
     cpdef tuple backward(self, g):
-        da = db = None
+        db = None
         ga = g / self.b
-        if self.inputs[0] is not None:
-            da = unbroadcast(ga, _shape_of(self.a))
         if self.inputs[1] is not None:
-            db = unbroadcast(-ga * self.a / self.b, _shape_of(self.b))
-        return (da, db)
+            db = -ga * self.a / self.b
+        return (ga, db)
 
     cpdef release(self):
         self.a = self.b = None
@@ -166,8 +142,8 @@ cdef class DivBackward(Node):
         """y = a / b;  da = g / b,  db = -(g / b) * a / b"""
         a, b = _live(self, 0, self.a), _live(self, 1, self.b)
         ga = div(g, b)
-        return (_sum_to(ga, _shape_of(self.a)) if _wants(self, 0) else None,
-                _sum_to(neg(div(mul(ga, a), b)), _shape_of(self.b)) if _wants(self, 1) else None)
+        return (ga if _wants(self, 0) else None,
+                neg(div(mul(ga, a), b)) if _wants(self, 1) else None)
 
 
 def div(a, b):
@@ -199,11 +175,11 @@ cdef class PowBackward(Node):
                         da = np.zeros(np.shape(self.a), dtype=g.dtype)
                 else:
                     da = np.where(self.b == 0, 0, g * (self.b * np.power(self.a, self.b - 1)))
-                    da = unbroadcast(da.astype(g.dtype, copy=False), _shape_of(self.a))
+                    da = da.astype(g.dtype, copy=False)
             if self.inputs[1] is not None:
                 # d/de x**e at x = 0 (e >= 0) is 0, as in torch, not 0 * log(0)
                 db = np.where((self.a == 0) & (self.b >= 0), 0, g * (self.out * np.log(self.a)))
-                db = unbroadcast(db.astype(g.dtype, copy=False), _shape_of(self.b))
+                db = db.astype(g.dtype, copy=False)
         return (da, db)
 
     cpdef release(self):
@@ -220,7 +196,7 @@ cdef class PowBackward(Node):
                 da = mul(g, mul(pow(a, self.b - 1), self.b)) if self.b != 0 else mul(g, 0.0)
             else:
                 local = where(self.b == 0, 0.0, mul(b, pow(a, sub(b, 1.0))))
-                da = _sum_to(mul(g, local), _shape_of(self.a))
+                da = mul(g, local)
         if _wants(self, 1):
             # d/de x**e at x = 0 (e >= 0) is 0, as in torch; log(1) stands in for log(0) there,
             # so the masked branch stays finite in every later derivative too
@@ -231,7 +207,7 @@ cdef class PowBackward(Node):
                 with np.errstate(divide="ignore", invalid="ignore"):
                     log_a = _const(np.log(np.where(zero, 1.0, self.a)), dtype)
             local = where(zero, 0.0, mul(pow(a, b), log_a))
-            db = _sum_to(mul(g, local), _shape_of(self.b))
+            db = mul(g, local)
         return (da, db)
 
 
@@ -277,13 +253,12 @@ def neg(x):
 cdef class WhereBackward(Node):
     """y = cond ? a : b;  da = g * cond,  db = g * !cond"""
     cdef readonly object cond
-    cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
         da = db = None
         if self.inputs[0] is not None:
-            da = unbroadcast(np.where(self.cond, g, 0), self.ashape)
+            da = np.where(self.cond, g, 0)
         if self.inputs[1] is not None:
-            db = unbroadcast(np.where(self.cond, 0, g), self.bshape)
+            db = np.where(self.cond, 0, g)
         return (da, db)
 
     cpdef release(self):
@@ -291,8 +266,8 @@ cdef class WhereBackward(Node):
 
     def create_graph(self, g):
         """y = cond ? a : b;  da = g * cond,  db = g * !cond"""
-        return (_sum_to(where(self.cond, g, 0.0), self.ashape) if _wants(self, 0) else None,
-                _sum_to(where(self.cond, 0.0, g), self.bshape) if _wants(self, 1) else None)
+        return (where(self.cond, g, 0.0) if _wants(self, 0) else None,
+                where(self.cond, 0.0, g) if _wants(self, 1) else None)
 
 
 def where(condition, input=None, other=None):
@@ -318,7 +293,6 @@ def where(condition, input=None, other=None):
         out = out.astype(y.dtype, copy=False)
     cdef WhereBackward node = WhereBackward.__new__(WhereBackward)
     node.cond = c
-    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
     return _binary_result(out, input, other, node)
 
 
@@ -344,7 +318,6 @@ def masked_fill(x, mask, value):
     out = np.where(m, np.asarray(value, dtype=t._data.dtype), t._data)
     cdef WhereBackward node = WhereBackward.__new__(WhereBackward)
     node.cond = ~m
-    node.ashape, node.bshape = t._data.shape, ()
     return _binary_result(out, t, None, node)
 
 
@@ -398,12 +371,6 @@ def remainder(a, b):
     with no_grad():
         q = floor_divide(a, b)
     return sub(a, mul(q, b))
-
-
-def sum_to_shape(grad, shape):
-    """unbroadcast() for Python-level backward rules (nn.functional): the one place
-    where broadcasting is undone."""
-    return unbroadcast(grad, tuple(shape))
 
 
 # which tensors each rule reads in backward (version checks)

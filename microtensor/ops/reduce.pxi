@@ -324,13 +324,12 @@ cdef class MaximumBackward(Node):
     """y = max(a, b);  da = g * wa,  db = g * wb:  1 to the winner, 1/2 each at a tie,
     1 to both where a NaN makes the comparison false (as torch)"""
     cdef readonly object weight, weight_b
-    cdef readonly tuple ashape, bshape
     cpdef tuple backward(self, g):
         da = db = None
         if self.inputs[0] is not None:
-            da = unbroadcast(g * self.weight, self.ashape)
+            da = g * self.weight
         if self.inputs[1] is not None:
-            db = unbroadcast(g * self.weight_b, self.bshape)
+            db = g * self.weight_b
         return (da, db)
 
     cpdef release(self):
@@ -338,8 +337,8 @@ cdef class MaximumBackward(Node):
 
     def create_graph(self, g):
         """y = max(a, b);  da = g * wa,  db = g * wb   (1 to the winner, 1/2 each at ties)"""
-        return (_sum_to(mul(g, self.weight), self.ashape) if _wants(self, 0) else None,
-                _sum_to(mul(g, self.weight_b), self.bshape) if _wants(self, 1) else None)
+        return (mul(g, self.weight) if _wants(self, 0) else None,
+                mul(g, self.weight_b) if _wants(self, 1) else None)
 
 
 cdef object _extremum(object a, object b, bint is_max):
@@ -356,7 +355,6 @@ cdef object _extremum(object a, object b, bint is_max):
         tie = np.equal(x, y)
         node.weight = np.where(tie, 0.5, np.where(a_loses, 0.0, 1.0)).astype(out.dtype)
         node.weight_b = np.where(tie, 0.5, np.where(b_loses, 0.0, 1.0)).astype(out.dtype)
-    node.ashape, node.bshape = _shape_of(x), _shape_of(y)
     return _binary_result(out, a, b, node)
 
 

@@ -184,14 +184,14 @@ def transpose(x, dim0, dim1):
 
 
 cdef class ExpandBackward(Node):
-    """y = x.expand(sizes);  dx = unbroadcast(g)"""
-    cdef readonly tuple shape
+    """y = x.expand(sizes);  dx = g, summed over the expanded dims (the engine's sum to
+    x's shape, as for every broadcast)"""
     cpdef tuple backward(self, g):
-        return (unbroadcast(g, self.shape),)
+        return (g,)
 
     def create_graph(self, g):
-        """y = x.expand(sizes);  dx = unbroadcast(g)"""
-        return (_sum_to(g, self.shape),)
+        """y = x.expand(sizes);  dx = g, summed to x's shape by the engine"""
+        return (g,)
 
 
 cdef tuple _expand_strides(object a, tuple shape):
@@ -233,11 +233,8 @@ def expand(x, *sizes):
     cdef Tensor res = Tensor._wrap(_as_strided(t._data, tuple(resolved), strides,
                                                writeable=not overlapping))
     _share_version(res, t)
-    cdef ExpandBackward node
     if _grad_on() and t._requires_grad:
-        node = ExpandBackward.__new__(ExpandBackward)
-        node.shape = shp
-        _attach(res, node, (t,))
+        _attach(res, ExpandBackward.__new__(ExpandBackward), (t,))
     return res
 
 

@@ -1,7 +1,7 @@
 """Which BLAS does microtensor's gemm call, chosen once, at import; and what the CPU
 runs (its features, and the refusal of a kernel build it cannot run, refuse_kernel_build,
-at the bottom). Which build of the fused kernels runs is _kernel_choice.py's, which reads
-the CPU's features here.
+at the bottom). Which build of the fused kernels runs is microtensor/kernels/_choice.py's, which
+reads the CPU's features here.
 
 Every matrix product of the engine goes through one entry, `gemm` in
 microtensor/kernels/_common.pxd, which calls a Fortran sgemm/dgemm through a pointer. This

@@ -69,11 +69,10 @@ def _links_libgomp():
 
 
 def _loaded_already():
-    try:
-        with open("/proc/self/maps") as f:
-            return any("libgomp" in line for line in f)
-    except OSError:
-        return False
+    """Is a libgomp in this process already (started by another library, too late for its
+    environment)? threadpoolctl lists the OpenMP and BLAS libraries loaded."""
+    from threadpoolctl import threadpool_info
+    return any(lib.get("prefix") == "libgomp" for lib in threadpool_info())
 
 
 def apply_defaults(environ=None):

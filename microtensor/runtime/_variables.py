@@ -9,7 +9,7 @@ import warnings
 
 # name -> where it is read and what it does (setup.py's are read by the build only)
 VARIABLES = {
-    "MICROTENSOR_KERNELS": "runtime/_kernel_choice.py: auto, avx512, avx2 or baseline",
+    "MICROTENSOR_KERNELS": "kernels/_choice.py: auto, avx512, avx2 or baseline",
     "MICROTENSOR_BLAS": "runtime/_blas_choice.py: auto, openblas or mkl",
     "MICROTENSOR_MALLOC": "runtime/_malloc.py: auto or default",
     "MICROTENSOR_OMP_DEFAULTS": "runtime/_omp_env.py: on/off, OpenMP's waiting defaults",

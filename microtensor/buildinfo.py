@@ -13,7 +13,8 @@
       OpenMP waiting OMP_WAIT_POLICY=unset (runtime default); GOMP_SPINCOUNT=10000 (microtensor ...)
 
 Every line comes from `config()`, a dict, which the benchmarks print in their headers
-and record in their JSON. Nothing here changes a setting.
+and record in their JSON. Nothing here changes a setting. A top-level module (the face's
+layer), since it reports on every layer below: the runtime, the kernels, the core's threads.
 """
 import os
 import sys
@@ -51,7 +52,7 @@ def kernel_build():
     except ImportError:   # built before setup.py recorded its flags
         build = {"compile_args": None, "openmp": None, "native": None, "compiler": None}
     from microtensor.runtime._blas_choice import _cpu_has_avx2_fma, _cpu_has_avx512
-    from microtensor.runtime._kernel_choice import loaded_kernels
+    from microtensor.kernels._choice import loaded_kernels
     fused, attention = loaded_kernels()
     build["fused_kernels"] = getattr(fused, "TARGET", "baseline")
     build["attention_kernels"] = getattr(attention, "TARGET", "baseline")

@@ -1,9 +1,9 @@
 """Which build of the fused kernels runs: the widest this CPU runs (AVX-512, AVX2+FMA,
 baseline), chosen once, when the functional layer (F) first loads them.
 
-Apart from the BLAS choice (_blas_choice.py), because the builds import the gemm, whose
-module imports the BLAS choice: here, above both, the loader imports the builds and
-nothing below imports it back.
+Apart from the BLAS choice (microtensor/runtime/_blas_choice.py), because the builds
+import the gemm, whose module imports the BLAS choice: here, in the kernels' layer above
+the runtime, the loader imports the builds and nothing below imports it back.
 """
 from microtensor.runtime._blas_choice import _cpu_has_avx2_fma, _cpu_has_avx512
 
