@@ -138,20 +138,24 @@ class GPT(nn.Module):
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         block_size = self.config.block_size
         self.check_tokens(idx[:, -block_size:])
-        caches = [KVCache() for _ in range(self.config.n_layer)]
-        tokens = idx.numpy()
+        # each layer's cache holds block_size positions from the start: a step writes its
+        # token's k and v in place (models/attention.py, KVCache)
+        caches = [KVCache(capacity=block_size) for _ in range(self.config.n_layer)]
+        prompt = idx.numpy()
+        B, T = prompt.shape
+        tokens = np.empty((B, T + max_new_tokens), dtype=np.int64)  # filled as it goes
+        tokens[:, :T] = prompt
         step_input = idx[:, -block_size:]  # the whole (cropped) prompt first
-        for _ in range(max_new_tokens):
+        for n in range(T, T + max_new_tokens):
             if caches[0].length + step_input.shape[1] > block_size:
                 # the window slides: every position changes, so recompute it from scratch
                 for cache in caches:
                     cache.reset()
-                step_input = mt.from_numpy(tokens[:, -block_size:])
+                step_input = mt.from_numpy(tokens[:, n - block_size:n])
             x = self.hidden_states(step_input, caches)
             logits = self.lm_head(x[:, -1, :]).numpy()  # (B, vocab): only the last position
-            next_token = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
-            tokens = np.concatenate([tokens, next_token], axis=1)
-            step_input = mt.from_numpy(next_token)
+            tokens[:, n:n + 1] = sample_next(logits, temperature, top_k, top_p)  # (B, 1)
+            step_input = mt.from_numpy(tokens[:, n:n + 1])
         return mt.from_numpy(tokens)
 
 

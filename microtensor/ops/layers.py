@@ -62,10 +62,16 @@ class LinearBackward(FusedNode):
             y = _core.matmul(x, _core.transpose(w, 0, 1))           # (..., out)
         if b is None:
             return y
-        if self.bias_against is None or self.bias_against == tuple(y.shape):
-            return _core.add(y, b)
-        # the fused path: the bias broadcast against the flattened (M, out) output
-        return _core.reshape(_core.add(_core.reshape(y, self.bias_against), b), tuple(y.shape))
+        if self.bias_against is not None and self.bias_against != tuple(y.shape):
+            # the fused path: the bias broadcast against the flattened (M, out) output
+            return _core.reshape(_core.add(_core.reshape(y, self.bias_against), b),
+                                 tuple(y.shape))
+        if tuple(b.shape) == tuple(y.shape):
+            # NOTE: add's rule hands a bias of the output's own shape the upstream gradient
+            # itself, which the create-graph engine then returns unconnected to it (its
+            # second derivative came out 0); through a reshape it is a node of the graph
+            b = _core.reshape(b, tuple(b.shape))
+        return _core.add(y, b)
 
 
 declare_saved(LinearBackward, 0, 1)
