@@ -8,8 +8,8 @@ Each engine runs in a child process of its own (its peak memory is the child's
 ru_maxrss, read with wait4), at each --threads count:
   microtensor  GPT(GPTConfig.gpt2()), AdamW (weight decay on matrices), gradient
                clipping at 1.0, as benchmarks/bench_train.py's step;
-  torch        the same model in PyTorch eager (benchmarks/torch_gpt.py), weights copied
-               from microtensor's, the same optimizer and clipping;
+  torch        the same model in PyTorch eager (benchmarks/torch_gpt.py, its own init:
+               the model build column is each library's), the same optimizer and clipping;
   llm.c        train_gpt2.c, built in a temporary folder with its Makefile's flags
                (-Ofast -march=native -fopenmp -DOMP), OMP_NUM_THREADS threads, fed random
                weights written in its checkpoint format (gpt2_124M.bin: a 256-int header,
@@ -69,20 +69,20 @@ def batches(vocab_size, n, seed):
 
 def child_step(engine, shape, threads, warmup, steps, seed):
     """Time `steps` training steps after `warmup` of one engine: {"times": [s, ...]}."""
-    import microtensor as mt
     import bench_train
     torch = C.try_import_torch() if engine == "torch" else None
     C.setup_threads(threads, torch)
     cfg = dict(block_size=shape["block_size"], n_layer=shape["n_layer"],
                n_head=shape["n_head"], n_embd=shape["n_embd"])
     t0 = time.perf_counter()
-    model, step = bench_train.build_mt(cfg, shape["vocab_size"], seed)
-    build = time.perf_counter() - t0
     if engine == "torch":
-        t0 = time.perf_counter()
-        model, step = bench_train.build_torch(torch, mt_model=model)
-        build = time.perf_counter() - t0
-        del mt
+        # torch's own init (not a copy of microtensor's model: that would count its
+        # memory here too); the step's time does not depend on the values
+        torch.manual_seed(seed)
+        model, step = bench_train.build_torch(torch, cfg=cfg, vocab_size=shape["vocab_size"])
+    else:
+        model, step = bench_train.build_mt(cfg, shape["vocab_size"], seed)
+    build = time.perf_counter() - t0
     data = batches(shape["vocab_size"], warmup + steps, seed)
     times, losses = [], []
     for i, (x, y) in enumerate(data):
