@@ -37,8 +37,8 @@ from microtensor import inspect as mti  # noqa: E402
 # CPU seconds of a run with no arguments and of --quick (one thread, so on an idle core
 # also the wall clock), as measured by docs/regenerate.py, which rewrites these lines and
 # the docs that quote them.
-FULL_RUN_SECONDS = 70
-QUICK_RUN_SECONDS = 25
+FULL_RUN_SECONDS = 41
+QUICK_RUN_SECONDS = 15
 
 # -----------------------------------------------------------------------------
 # Defaults (--quick shrinks them; see QUICK)

@@ -12,14 +12,20 @@ from models.positional import RotaryEmbedding
 class KVCache:
     """The keys and values a MultiHeadAttention has seen so far, for generation.
 
-    Self-attention appends the new tokens' k and v on every call; cross-attention
-    projects the (fixed) context once and reuses it. `length` is the number of cached
-    positions, which is also the position of the next token (RoPE's offset).
+    Self-attention writes the new tokens' k and v into buffers made once for `capacity`
+    positions (GPT.generate passes block_size; without one, a full buffer is doubled)
+    and attends to views of the filled part: a generated token copies its own k and v
+    in, never the whole cache (concatenating it each step copied every cached position,
+    in every layer, for every token). Cross-attention projects the (fixed) context once
+    and reuses it. `length` is the number of cached positions, which is also the
+    position of the next token (RoPE's offset).
     """
 
-    def __init__(self):
-        self.k = None  # (B, nh, T_cached, hs)
+    def __init__(self, capacity=None):
+        self.capacity = capacity
+        self.k = None  # (B, nh, T_cached, hs): a view of the buffer below
         self.v = None  # (B, nh, T_cached, hs)
+        self._k_buf = self._v_buf = None   # (B, nh, capacity, hs) arrays
 
     @property
     def length(self):
@@ -27,14 +33,45 @@ class KVCache:
 
     def append(self, k, v):
         """Add the new positions' keys and values; return all of them."""
-        if self.k is not None:
-            k = mt.cat([self.k, k], dim=2)  # (B, nh, T_cached + T, hs)
-            v = mt.cat([self.v, v], dim=2)
-        self.k, self.v = k, v
-        return k, v
+        if mt.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            # a graph through the cache (differentiating a decode): concatenate, so each
+            # step's k and v stay inputs of the graph
+            if self.k is not None:
+                k = mt.cat([self.k, k], dim=2)  # (B, nh, T_cached + T, hs)
+                v = mt.cat([self.v, v], dim=2)
+            self.k, self.v = k, v
+            self._k_buf = self._v_buf = None
+            return k, v
+        start, end = self.length, self.length + k.shape[2]
+        k_new, v_new = k.numpy(), v.numpy()                # (B, nh, T, hs), views
+        buf = self._k_buf
+        if (buf is None or end > buf.shape[2] or buf.dtype != k_new.dtype
+                or buf.shape[:2] != k_new.shape[:2] or buf.shape[3] != k_new.shape[3]):
+            self._grow(k_new, v_new, start, end)
+        self._k_buf[:, :, start:end] = k_new
+        self._v_buf[:, :, start:end] = v_new
+        self.k = mt.from_numpy(self._k_buf[:, :, :end])   # (B, nh, T_cached + T, hs), a view
+        self.v = mt.from_numpy(self._v_buf[:, :, :end])
+        return self.k, self.v
+
+    def _grow(self, k_new, v_new, start, end):
+        """New buffers of capacity positions (or twice the old, or what end needs), the
+        cached positions copied over."""
+        old = self._k_buf
+        size = max(end, self.capacity or 0, 2 * old.shape[2] if old is not None else 0)
+        B, nh, _, hs = k_new.shape
+        k_buf = np.empty((B, nh, size, hs), k_new.dtype)
+        v_buf = np.empty((B, nh, size, v_new.shape[3]), v_new.dtype)
+        if start:
+            k_buf[:, :, :start] = self.k.numpy()
+            v_buf[:, :, :start] = self.v.numpy()
+        self._k_buf, self._v_buf = k_buf, v_buf
 
     def reset(self):
+        """Forget the cached positions. The buffers are dropped too: a view handed out
+        before (an earlier step's k) never sees later writes."""
         self.k = self.v = None
+        self._k_buf = self._v_buf = None
 
 
 def causal_mask_with_past(T, T_past):

@@ -5,6 +5,7 @@ keys and layouts are theirs, so weights move between them unchanged. The other o
 swap one piece at a time (norm, norm placement, position scheme, MLP, tying, residuals)
 to study what each piece does.
 """
+import contextlib
 import math
 
 import numpy as np
@@ -26,24 +27,26 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
         self.config = cfg = config
-        layers = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
-        if cfg.pos == "learned":
-            layers["wpe"] = LearnedPositionalEmbedding(cfg.block_size, cfg.n_embd)
-        elif cfg.pos == "sinusoidal":
-            layers["wpe"] = SinusoidalPositionalEncoding(cfg.n_embd, max_len=cfg.block_size)
-        layers["drop"] = nn.Dropout(cfg.dropout if cfg.embd_dropout is None else cfg.embd_dropout)
-        layers["h"] = nn.ModuleList([
-            TransformerBlock(cfg.n_embd, cfg.n_head, d_ff=cfg.mlp_hidden, causal=True,
-                             norm=cfg.norm, prenorm=cfg.prenorm, residual=cfg.residual,
-                             bias=cfg.bias, dropout=cfg.dropout, activation=cfg.mlp,
-                             rope=cfg.pos == "rope", attn_dropout=cfg.attn_dropout,
-                             norm_eps=cfg.norm_eps)
-            for _ in range(cfg.n_layer)])
-        # post-norm blocks end in a norm already; a final one only pre-norm stacks need
-        if cfg.prenorm:
-            layers["ln_f"] = make_norm(cfg.norm, cfg.n_embd, cfg.bias, cfg.norm_eps)
-        self.transformer = nn.ModuleDict(layers)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        with _layers_skip_their_own_init():
+            layers = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
+            if cfg.pos == "learned":
+                layers["wpe"] = LearnedPositionalEmbedding(cfg.block_size, cfg.n_embd)
+            elif cfg.pos == "sinusoidal":
+                layers["wpe"] = SinusoidalPositionalEncoding(cfg.n_embd, max_len=cfg.block_size)
+            layers["drop"] = nn.Dropout(cfg.dropout if cfg.embd_dropout is None
+                                        else cfg.embd_dropout)
+            layers["h"] = nn.ModuleList([
+                TransformerBlock(cfg.n_embd, cfg.n_head, d_ff=cfg.mlp_hidden, causal=True,
+                                 norm=cfg.norm, prenorm=cfg.prenorm, residual=cfg.residual,
+                                 bias=cfg.bias, dropout=cfg.dropout, activation=cfg.mlp,
+                                 rope=cfg.pos == "rope", attn_dropout=cfg.attn_dropout,
+                                 norm_eps=cfg.norm_eps)
+                for _ in range(cfg.n_layer)])
+            # post-norm blocks end in a norm already; a final one only pre-norm stacks need
+            if cfg.prenorm:
+                layers["ln_f"] = make_norm(cfg.norm, cfg.n_embd, cfg.bias, cfg.norm_eps)
+            self.transformer = nn.ModuleDict(layers)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             # the input embedding and the output projection are one matrix (GPT-2 does this)
             self.transformer.wte.weight = self.lm_head.weight
@@ -52,18 +55,26 @@ class GPT(nn.Module):
     def init_weights(self):
         """GPT-2's init: N(0, 0.02) for every matrix and embedding, zero biases, and the
         projections that write into the residual stream (c_proj) scaled down by
-        1/sqrt(2 * n_layer), so the stream's variance does not grow with depth."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.Embedding, LearnedPositionalEmbedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        1/sqrt(2 * n_layer), so the stream's variance does not grow with depth.
+        Each parameter is drawn once (a tied matrix too)."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=residual_std)
+        done = set()
+        for module_name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                weight_std = residual_std if module_name.endswith("c_proj") else 0.02
+                draws = [(module.weight, weight_std), (module.bias, None)]
+            elif isinstance(module, (nn.Embedding, LearnedPositionalEmbedding)):
+                draws = [(module.weight, 0.02)]
+            else:
+                continue
+            for p, std in draws:
+                if p is None or id(p) in done:
+                    continue
+                done.add(id(p))
+                if std is None:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=std)
 
     @classmethod
     def from_pretrained(cls, path_or_name, *, dtype=None):
@@ -162,24 +173,49 @@ class GPT(nn.Module):
             generator = mt.Generator().manual_seed(seed)
         block_size = self.config.block_size
         self.check_tokens(idx[:, -block_size:])
-        caches = [KVCache() for _ in range(self.config.n_layer)] if use_cache else None
-        tokens = idx.numpy()
+        # each layer's cache holds block_size positions from the start: a step writes its
+        # token's k and v in place (models/attention.py, KVCache)
+        caches = ([KVCache(capacity=block_size) for _ in range(self.config.n_layer)]
+                  if use_cache else None)
+        prompt = idx.numpy()
+        B, T = prompt.shape
+        tokens = np.empty((B, T + max_new_tokens), dtype=np.int64)  # filled as it goes
+        tokens[:, :T] = prompt
         step_input = idx[:, -block_size:]  # the whole (cropped) prompt first
-        for _ in range(max_new_tokens):
+        for n in range(T, T + max_new_tokens):
             if caches is None:
-                step_input = mt.from_numpy(tokens[:, -block_size:])
+                step_input = mt.from_numpy(tokens[:, max(0, n - block_size):n])
             elif caches[0].length + step_input.shape[1] > block_size:
                 # the window slides: every position changes, so recompute it from scratch
                 for cache in caches:
                     cache.reset()
-                step_input = mt.from_numpy(tokens[:, -block_size:])
+                step_input = mt.from_numpy(tokens[:, n - block_size:n])
             x = self.hidden_states(step_input, caches)
             logits = self.lm_head(x[:, -1, :]).numpy()  # (B, vocab): only the last position
             sampling = (temperature, top_k, top_p) + (() if generator is None else (generator,))
-            next_token = sample_next(logits, *sampling)  # (B, 1)
-            tokens = np.concatenate([tokens, next_token], axis=1)
-            step_input = mt.from_numpy(next_token)
+            tokens[:, n:n + 1] = sample_next(logits, *sampling)  # (B, 1)
+            step_input = mt.from_numpy(tokens[:, n:n + 1])
         return mt.from_numpy(tokens)
+
+
+@contextlib.contextmanager
+def _layers_skip_their_own_init():
+    """While a GPT makes its layers, their constructors' own random draws (Linear's
+    uniform, the embeddings' normal) are skipped: GPT.init_weights draws every weight
+    right after, once. (Drawing GPT-2's 124M numbers twice, some four times, was most of
+    the time it took to build.) Only the draws are skipped: the constant inits (norms'
+    ones, zeros) still run.
+    NOTE: the skip is a process-wide swap of nn.init's two draw functions for the
+    duration of the build: a layer made in another thread meanwhile would skip its own."""
+    saved = nn.init.normal_, nn.init.uniform_
+
+    def skip(tensor, *args, **kwargs):
+        return tensor
+    nn.init.normal_ = nn.init.uniform_ = skip
+    try:
+        yield
+    finally:
+        nn.init.normal_, nn.init.uniform_ = saved
 
 
 def check_sampling(temperature, top_k, top_p):

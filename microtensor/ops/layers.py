@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 import microtensor.core._core as _core
-from microtensor.kernels import _blas
+from microtensor.kernels import _blas, _gemv
 from microtensor.core._core import Tensor, wrap, needs_graph, attach, ShapeError
 from microtensor.autograd.graph_rules import FusedNode
 from microtensor.ops._functional_common import (  # noqa: F401
@@ -24,6 +24,12 @@ __all__ = ["linear", "embedding", "dropout"]
 
 
 # ---- linear ----------------------------------------------------------------------
+#
+# The common case, a 2-D weight (out, in) and a bias of (out,) or none, is one gemm with
+# the bias added by its blocks (or, for one row, a gemv per slice of the output features:
+# generation's case, see kernels/_gemv.pyx). Everything else torch accepts goes through
+# _linear_general below: a 1-D weight (in,) gives x @ w, the last dim dropped; a bias of
+# any shape that torch broadcasts, its gradient reduced back to that shape.
 
 class LinearBackward(FusedNode):
     """y = x @ W^T + b;  dx = g @ W,  dW = g^T @ x,  db = sum_rows(g)"""
@@ -37,14 +43,35 @@ class LinearBackward(FusedNode):
             dx = _blas.gemm(g2d, w, num_threads=nt).reshape(self.x_shape)
         if _wants_grad(self, 1):
             dw = _blas.gemm(g2d.T, x2d, num_threads=nt)  # NOTE: .T is a view, passed as a 'T' flag
+            if self.weight_shape != dw.shape:
+                dw = dw.reshape(self.weight_shape)      # a 1-D weight: (1, in) -> (in,)
         if len(self.inputs) > 2 and _wants_grad(self, 2):
-            db = _blas.column_sum(g2d, num_threads=nt)          # g's rows added in order
+            if self.bias_against is None:
+                db = _blas.column_sum(g2d, num_threads=nt)          # g's rows added in order
+            else:
+                # a broadcast bias: g summed over what the bias was broadcast along, seen
+                # as the shape the bias was added to ((M, out) or the output's)
+                db = _unbroadcast(g2d.reshape(self.bias_against), self.bias_shape)
         return (dx, dw, db)
 
     def composite(self, x, w, b=None):
         """y = x @ W^T + b"""
-        y = _core.matmul(x, _core.transpose(w, 0, 1))
-        return y if b is None else _core.add(y, b)
+        if w.ndim == 1:
+            y = _core.matmul(x, w)                                  # (...,): x @ w
+        else:
+            y = _core.matmul(x, _core.transpose(w, 0, 1))           # (..., out)
+        if b is None:
+            return y
+        if self.bias_against is not None and self.bias_against != tuple(y.shape):
+            # the fused path: the bias broadcast against the flattened (M, out) output
+            return _core.reshape(_core.add(_core.reshape(y, self.bias_against), b),
+                                 tuple(y.shape))
+        if tuple(b.shape) == tuple(y.shape):
+            # NOTE: add's rule hands a bias of the output's own shape the upstream gradient
+            # itself, which the create-graph engine then returns unconnected to it (its
+            # second derivative came out 0); through a reshape it is a node of the graph
+            b = _core.reshape(b, tuple(b.shape))
+        return _core.add(y, b)
 
 
 declare_saved(LinearBackward, 0, 1)
@@ -56,24 +83,92 @@ def linear(input, weight, bias=None):
     w = _float_array(weight, "linear weight")
     b = None if bias is None else _float_array(bias, "linear bias")
     _same_dtype("linear", input=x, weight=w, bias=b)
-    if w.ndim != 2:
-        raise ShapeError(f"linear: weight must be 2-D (out_features, in_features), got shape {w.shape}")
+    if w.ndim != 2 or (b is not None and b.shape != (w.shape[0],)):
+        return _linear_general(input, weight, bias, x, w, b)
     if x.ndim == 0 or x.shape[-1] != w.shape[1]:
-        raise ShapeError(f"linear: input shape {x.shape} and weight shape {w.shape} do not fit "
-                         f"(input's last dim must equal in_features = {w.shape[1]})")
-    if b is not None and b.shape != (w.shape[0],):
-        raise ShapeError(f"linear: bias shape {b.shape} does not fit weight shape {w.shape} "
-                         f"(expected ({w.shape[0]},))")
+        _linear_shape_error(x, w)
     M = math.prod(x.shape[:-1])
     x2d = x.reshape(M, w.shape[1])                      # (M, in); a view when x is contiguous
-    # (M, out) = x2d @ w.T (+ b): w.T as a flag, the bias added by each of the gemm's
-    # blocks as it finishes (no second pass over the output)
-    out2d = _blas.gemm(x2d, w.T, num_threads=_core.get_num_threads(), bias=b)
-    out = wrap(out2d.reshape(x.shape[:-1] + (w.shape[0],)))
+    out = wrap(_linear_forward(x2d, w, b).reshape(x.shape[:-1] + (w.shape[0],)))
     inputs = (input, weight) if bias is None else (input, weight, bias)
     if needs_graph(inputs):
         node = LinearBackward()
         node.x2d, node.weight, node.x_shape = x2d, w, x.shape
+        node.weight_shape, node.bias_against = w.shape, None
+        attach(out, node, inputs)
+    return out
+
+
+def _linear_forward(x2d, w, b):
+    """(M, out) = x2d (M, in) @ w.T (+ b (out,)): one row is a gemv over slices of w's rows
+    (memory-bound: w read once, no packing); more rows a gemm, w.T passed as a flag and
+    the bias added by each of its blocks as it finishes (no second pass over the output)."""
+    nt = _core.get_num_threads()
+    if x2d.shape[0] == 1:
+        return _gemv.gemv(w, x2d, bias=b, num_threads=nt)
+    return _blas.gemm(x2d, w.T, num_threads=nt, bias=b)
+
+
+def _linear_shape_error(x, w):
+    raise ShapeError(f"linear: input shape {x.shape} and weight shape {w.shape} do not fit "
+                     f"(input's last dim must equal in_features = {w.shape[-1]})")
+
+
+def _expands_to(shape, target):
+    """torch's expand(): shape fits target from the right, each dim equal or 1."""
+    return len(shape) <= len(target) and all(
+        s == t or s == 1 for s, t in zip(reversed(shape), reversed(target)))
+
+
+def _linear_general(input, weight, bias, x, w, b):
+    """linear's other cases, as torch 2.13 takes them. x @ w.T is computed as for a 2-D
+    weight (a 1-D weight is a (1, in) one, its output dim dropped). Where the bias goes
+    follows torch's two paths, since they accept different shapes:
+      - fused (addmm on x flattened to (M, in)): x is 2-D, or x is contiguous and the bias
+        is 1-D or has exactly one dim that is not 1; the bias must expand to (M, out),
+        and the weight must be 2-D;
+      - otherwise the product, then the bias added in place: it must broadcast to the
+        output's shape without growing it."""
+    if x.ndim == 0 or w.ndim == 0:
+        raise ShapeError(f"linear: both arguments need to be at least 1-D, but they are "
+                         f"{x.ndim}-D and {w.ndim}-D")
+    if w.ndim > 2:
+        raise ShapeError(f"linear: weight must be 1-D (in_features,) or 2-D (out_features, "
+                         f"in_features), got shape {w.shape}")
+    if x.shape[-1] != w.shape[-1]:
+        _linear_shape_error(x, w)
+    w2d = w.reshape(1, -1) if w.ndim == 1 else w         # (out, in); a view
+    M, N = math.prod(x.shape[:-1]), w2d.shape[0]
+    out_shape = x.shape[:-1] + ((N,) if w.ndim == 2 else ())
+    bias_against = None
+    if b is not None:
+        fused = x.ndim == 2 or (x.flags.c_contiguous and
+                                (b.ndim == 1 or sum(d != 1 for d in b.shape) == 1))
+        if fused:
+            if w.ndim != 2:
+                raise ShapeError(f"linear: a bias of shape {b.shape} with a 1-D weight "
+                                 f"{w.shape} needs a 2-D weight (torch's addmm path)")
+            bias_against = (M, N)
+            if not _expands_to(b.shape, bias_against):
+                raise ShapeError(f"linear: bias shape {b.shape} does not expand to the "
+                                 f"flattened output's ({M}, {N})")
+        else:
+            bias_against = out_shape
+            if not _expands_to(b.shape, out_shape):
+                raise ShapeError(f"linear: bias shape {b.shape} does not broadcast to the "
+                                 f"output's shape {out_shape}")
+    x2d = x.reshape(M, w2d.shape[1])                    # (M, in)
+    out2d = _linear_forward(x2d, w2d, None)             # (M, out)
+    if b is not None:
+        view = out2d.reshape(bias_against)
+        view += b                                       # broadcast, in place: no new array
+    out = wrap(out2d.reshape(out_shape))
+    inputs = (input, weight) if bias is None else (input, weight, bias)
+    if needs_graph(inputs):
+        node = LinearBackward()
+        node.x2d, node.weight, node.x_shape = x2d, w2d, x.shape
+        node.weight_shape, node.bias_against = w.shape, bias_against
+        node.bias_shape = None if b is None else b.shape
         attach(out, node, inputs)
     return out
 
