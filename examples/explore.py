@@ -101,6 +101,10 @@ def main(argv=None):
     if gpt2 and shaped:
         _cli.fail(prog, f"{', '.join(shaped)}: GPT-2's shape is fixed (n_layer 12, n_head 12, "
                         "n_embd 768); drop --config gpt2 / --init_from for another shape")
+    if args.config == "gpt2" and args.data is not None:
+        _cli.fail(prog, "--data: random weights have no tokenizer to read the text with (they "
+                        "are fed random tokens); --init_from a checkpoint folder with its "
+                        "vocab.json and merges.txt reads a text")
     if args.init_from is not None and (args.residual is not None or args.prenorm is not None):
         _cli.fail(prog, "--residual and --prenorm change the model; with --init_from it is "
                         "the checkpoint's")
@@ -136,21 +140,23 @@ def main(argv=None):
             model.train()                  # from_pretrained gives eval mode; this is training
             folder = path if os.path.isdir(path) else os.path.dirname(path)
             name = os.path.basename(os.path.normpath(path))
+            config = model.config
         else:
-            model = GPT(GPTConfig.gpt2(residual=residual, prenorm=prenorm))
+            config = GPTConfig.gpt2(residual=residual, prenorm=prenorm)
             folder, name = None, "GPT-2 small (random weights)"
-        config = model.config
         if args.block_size > config.block_size:
             _cli.fail(prog, f"--block_size {args.block_size}: the model has "
                             f"{config.block_size} positions")
+        if args.init_from is None:
+            model = GPT(config)
         try:
             # the checkpoint's own BPE on the text where it has one; random tokens otherwise
             tokenizer = chardata.BPETokenizerFiles(folder) if folder else None
         except chardata.CharDataError:
             tokenizer = None
         if tokenizer is None and args.data is not None:
-            _cli.fail(prog, f"--data: {'the checkpoint has' if folder else 'random weights have'} "
-                            "no tokenizer (vocab.json and merges.txt) to read the text with")
+            _cli.fail(prog, "--data: the checkpoint has no tokenizer (vocab.json and "
+                            "merges.txt) to read the text with")
         if tokenizer is not None:
             try:
                 text = chardata.load_corpus(args.data)[:TEXT_CHARS]

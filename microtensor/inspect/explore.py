@@ -24,8 +24,10 @@
    |g| / |w|.
 
 Every tensor is summarised (mean, std, min, max, norm, a histogram; tensors of at most
-8 numbers also in full), never embedded whole, so a 2-layer GPT's page is a few hundred
-KB. The page itself (layout, folding, stepping, search) is in explore_page.py.
+8 numbers also in full; above 2^20 numbers the histogram counts an even sample: summary.py),
+never embedded whole, so the page's size grows with the number of nodes, not with the
+tensors: a 2-layer GPT's page is about 100 KB, GPT-2 small's (124M parameters) under
+half a MB. The page itself (layout, folding, stepping, search) is in explore_page.py.
 """
 import html
 import json
