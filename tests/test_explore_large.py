@@ -307,7 +307,8 @@ def test_gpt2_124m_step_page_within_10_s_and_10_mb(tmp_path):
     assert seconds <= limit
     data = data_of(open(path, encoding="utf-8").read())
     assert data["meta"]["ops"] == len(data["order"]) > 200
-    assert all(g["folded"] for g in data["groups"] if re.fullmatch(r"transformer\.h\.\d+", g["name"]))
+    blocks = [g for g in data["groups"] if re.fullmatch(r"transformer\.h\.\d+", g["name"])]
+    assert len(blocks) == 12 and all(g["folded"] for g in blocks)
     wte = next(n for n in data["nodes"] if n["label"] == "transformer.wte.weight")
     assert wte["value"]["numel"] == 50257 * 768 and "sample_every" in wte["value"]
     assert wte["param"]["grad_norm"] == pytest.approx(norm(model.transformer.wte.weight.grad),
