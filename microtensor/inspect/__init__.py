@@ -20,6 +20,7 @@ engine's per-node backward hook):
   (flow.py) draws such a pass on its graph, step by step.
 - `explore` (explore.py): one training step's graph, values, gradients and backward
   order in a self-contained HTML page to click through (`examples/explore.py`).
+  Each tensor in it is a few numbers whatever its size (summary.py).
 
     import microtensor as mt
     from microtensor import inspect as mti

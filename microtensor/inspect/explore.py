@@ -24,8 +24,10 @@
    |g| / |w|.
 
 Every tensor is summarised (mean, std, min, max, norm, a histogram; tensors of at most
-8 numbers also in full), never embedded whole, so a 2-layer GPT's page is a few hundred
-KB. The page itself (layout, folding, stepping, search) is in explore_page.py.
+8 numbers also in full; above 2^20 numbers the histogram counts an even sample: summary.py),
+never embedded whole, so the page's size grows with the number of nodes, not with the
+tensors: a 2-layer GPT's page is about 100 KB, GPT-2 small's (124M parameters) under
+half a MB. The page itself (layout, folding, stepping, search) is in explore_page.py.
 """
 import html
 import json
@@ -40,42 +42,9 @@ from microtensor.inspect.compare import math_line, math_rule
 from microtensor.inspect.explore_page import render_page
 from microtensor.inspect.graph import build_graph
 from microtensor.inspect.residual import residual_adds
+from microtensor.inspect.summary import summarise, dense_norm, diff_norm, _finite
 
 __all__ = ["explore", "Explorer"]
-
-SMALL = 8          # tensors with at most this many numbers are embedded in full
-
-
-def _finite(x):
-    """A float for JSON (which has no NaN or Inf): None when not finite."""
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def summarise(array, bins=24):
-    """mean, std, min, max, 2-norm and a histogram of an array (float64 arithmetic);
-    NaN and Inf are counted apart and left out of the rest."""
-    a = np.asarray(array, dtype=np.float64).ravel()
-    good = a[np.isfinite(a)]
-    out = {"numel": int(a.size), "nonfinite": int(a.size - good.size)}
-    if good.size == 0:
-        return out
-    lo, hi = float(good.min()), float(good.max())
-    counts, _ = np.histogram(good, bins=bins, range=(lo, hi) if hi > lo else (lo - 0.5, lo + 0.5))
-    out.update(mean=float(good.mean()), std=float(good.std()), min=lo, max=hi,
-               norm=float(math.sqrt(np.dot(good, good))), hist=[int(c) for c in counts])
-    if a.size <= SMALL:
-        out["values"] = [_finite(v) for v in a]
-    return out
-
-
-def _dense_norm(g):
-    """The 2-norm of a gradient the engine passes (an array or a SliceGrad)."""
-    if isinstance(g, _core.SliceGrad):
-        g = g.value
-    a = np.asarray(g, dtype=np.float64).ravel()
-    return float(math.sqrt(np.dot(a, a)))
-
 
 class _StepWatch:
     """The engine's per-node hook for one backward pass: order, the gradient each node
@@ -111,7 +80,7 @@ class _StepWatch:
             # some rules still return a gradient for its slot: nothing receives it
             if gi is None or i >= len(node.inputs) or node.inputs[i] is None:
                 continue
-            self.sent[(node, i)] = _dense_norm(gi)
+            self.sent[(node, i)] = dense_norm(gi)
             key = self._key(node.inputs[i])
             if key not in self.stream_total:
                 continue
@@ -129,9 +98,8 @@ class _StepWatch:
         skip = self.skip_grad.get((node, s))
         total = self.stream_total.get(self._key(node.inputs[s]))
         if skip is None:
-            return None, None if total is None else float(np.linalg.norm(total))
-        branch = float(np.linalg.norm(total - skip))
-        return float(np.linalg.norm(skip)), branch
+            return None, None if total is None else dense_norm(total)
+        return dense_norm(skip), dense_norm(total - skip)
 
     def __enter__(self):
         self._outer = _core.get_backward_profiler()
@@ -250,7 +218,8 @@ def explore(loss, path=None, model=None, optimizer=None, lr=None, calls=None, na
                 outputs.setdefault(inp._node, inp)
     values = {nid: summarise(outputs[node].numpy(), bins) for node, nid in op_nodes.items()}
     values.update({nid: summarise(t.numpy(), bins) for nid, t in leaves.items()})
-    weights_before = {nid: np.array(t.numpy(), dtype=np.float64, copy=True)
+    # in the parameter's own dtype: a float64 copy of GPT-2's weights would take 1 GB
+    weights_before = {nid: np.array(t.numpy(), copy=True)
                       for nid, t in leaves.items() if graph.nodes[nid].kind == "param"
                       and optimizer is not None}
 
@@ -331,13 +300,12 @@ def explore(loss, path=None, model=None, optimizer=None, lr=None, calls=None, na
 
 
 def _param_entry(name, entry, t, before, optimizer, lr):
-    w = np.asarray(t.numpy(), dtype=np.float64)
     grad_norm = entry["grad"]["norm"] if entry["grad"] and "norm" in entry["grad"] else None
-    weight_norm = float(np.linalg.norm(before if before is not None else w))
+    weight_norm = dense_norm(before if before is not None else t.numpy())
     row = {"name": name, "grad_norm": grad_norm, "weight_norm": weight_norm,
            "update_norm": None, "ratio": None}
     if before is not None:
-        row["update_norm"] = float(np.linalg.norm(w - before))
+        row["update_norm"] = diff_norm(t.numpy(), before)
     elif lr is not None and grad_norm is not None:
         row["update_norm"] = lr * grad_norm
     elif grad_norm is not None:

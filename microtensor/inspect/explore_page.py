@@ -231,6 +231,7 @@ function stats(st,field){if(!st)return '<p>none reached it</p>';
  const row=(k,v,f)=>`<tr><td>${k}</td><td ${f?`data-field="${f}" data-value="${v}"`:''}>${fmt(v)}</td></tr>`;
  let s='<table>'+row('norm',st.norm,field)+row('mean',st.mean)+row('std',st.std)+row('min',st.min)+row('max',st.max)+`<tr><td>numel</td><td>${st.numel}</td></tr>`;
  if(st.nonfinite)s+=`<tr><td>NaN/Inf</td><td style="color:#c00">${st.nonfinite}</td></tr>`;
+ if(st.sample_every)s+=`<tr><td>histogram</td><td data-field="sample" data-value="${st.sample}" style="white-space:normal">of an even sample: every ${st.sample_every}th entry, ${st.sample} in all</td></tr>`;
  if(st.values)s+=`<tr><td>values</td><td>${st.values.map(fmt).join(', ')}</td></tr>`;return s+'</table>'+hist(st);}
 const link=id=>`<a data-go="${esc(id)}">${esc(short(N[id]))}</a>`;
 function panel(){const P=document.getElementById('panel'),id=S.sel;
