@@ -173,9 +173,17 @@ def test_a_wrong_bias_gradient_fails_the_check(monkeypatch):
     """The negative test: a bias gradient not summed over the broadcast axis is caught."""
     from microtensor.ops import layers
     x, w, b = _arrays((3, 5), (4, 5), (3, 1), True, seed=4)
-    # the planted bug: the first elements taken instead of the sum over the broadcast axis
-    monkeypatch.setattr(layers, "_unbroadcast",
-                        lambda g, shape: np.ascontiguousarray(g).reshape(-1)[:int(np.prod(shape))].reshape(shape))
+    # the planted bug: the rule hands back the first elements of g, already in the bias's
+    # shape, instead of g in the broadcast shape that the engine sums
+    right = layers.LinearBackward.backward
+
+    def wrong(node, g):
+        dx, dw, db = right(node, g)
+        if db is not None:
+            shape = node.bias_shape
+            db = np.ascontiguousarray(db).reshape(-1)[:int(np.prod(shape))].reshape(shape)
+        return (dx, dw, db)
+    monkeypatch.setattr(layers.LinearBackward, "backward", wrong)
     inputs = [mt.tensor(a, requires_grad=True) for a in (x, w, b)]
     assert not mt.gradcheck(F.linear, inputs, raise_exception=False)
 

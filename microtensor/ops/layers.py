@@ -49,9 +49,9 @@ class LinearBackward(FusedNode):
             if self.bias_against is None:
                 db = _blas.column_sum(g2d, num_threads=nt)          # g's rows added in order
             else:
-                # a broadcast bias: g summed over what the bias was broadcast along, seen
-                # as the shape the bias was added to ((M, out) or the output's)
-                db = _unbroadcast(g2d.reshape(self.bias_against), self.bias_shape)
+                # a broadcast bias: g in the shape the bias was added to ((M, out) or the
+                # output's); the engine sums it back to the bias's own shape
+                db = g2d.reshape(self.bias_against)
         return (dx, dw, db)
 
     def composite(self, x, w, b=None):
