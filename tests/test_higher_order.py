@@ -162,6 +162,8 @@ TWICE_WRITTEN = {
     "PermuteBackward": {"permute": (lambda a: a.permute(2, 0, 1), lambda: [leaf(2, 3, 4)])},
     "ReshapeBackward": {"reshape": (lambda a: a.reshape(4, 3), lambda: [leaf(3, 4)])},
     "TrilBackward": {"tril": (mt.tril, lambda: [leaf(3, 4)])},
+    "DiagonalBackward": {"diagonal": (lambda a: a.diagonal(1, 0, 2), lambda: [leaf(3, 2, 4)]),
+                         "diagonal_square": (lambda a: a.diagonal(), lambda: [leaf(4, 4)])},
     # one node type, one rule per kernel: each named (UNARY_KERNELS below)
     "UnaryBackward": {"exp": (mt.exp, lambda: [leaf(3, 4)]), "log": (mt.log, lambda: [positive(3, 4)]),
                       "sqrt": (mt.sqrt, lambda: [positive(3, 4)]), "tanh": (mt.tanh, lambda: [leaf(3, 4)]),

@@ -91,7 +91,9 @@ def _through_primitives(forward, inputs, grad_output):
     _reroot([r for r in grads if r is not None], swap)
     result = [None] * len(inputs)
     for i, r in zip(wanted, grads):
-        result[i] = r
+        # NOTE: a gradient that is the upstream gradient itself (y = x + b: db = g) comes
+        # back as g's alias, a leaf with no node to re-root: hand on the live g instead
+        result[i] = r if r is None else swap.get(id(r), r)
     return tuple(result)
 
 

@@ -66,11 +66,6 @@ class LinearBackward(FusedNode):
             # the fused path: the bias broadcast against the flattened (M, out) output
             return _core.reshape(_core.add(_core.reshape(y, self.bias_against), b),
                                  tuple(y.shape))
-        if tuple(b.shape) == tuple(y.shape):
-            # NOTE: add's rule hands a bias of the output's own shape the upstream gradient
-            # itself, which the create-graph engine then returns unconnected to it (its
-            # second derivative came out 0); through a reshape it is a node of the graph
-            b = _core.reshape(b, tuple(b.shape))
         return _core.add(y, b)
 
 
