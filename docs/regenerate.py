@@ -744,7 +744,10 @@ class LayerMap(Part):
                  + "\n".join(f"| {name} | `{self.where(name)}` | {what} |"
                               for name, what, _ in layers))
         index = "\n".join(f"- [{doc}]({doc}): {title}" for doc, title in v["docs"])
-        return {"layer_map": picture, "layer_table": table, "docs_index": index}
+        # the same index for the README, whose links start one folder up
+        readme_index = "\n".join(f"- [{doc}](docs/{doc}): {title}" for doc, title in v["docs"])
+        return {"layer_map": picture, "layer_table": table, "docs_index": index,
+                "readme_docs_index": readme_index}
 
 
 PARTS = [KernelConstants(), LayerMap(), ResidualFlow(), Graph(), Explore(), TrainCharDefault(),

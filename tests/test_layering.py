@@ -288,9 +288,20 @@ def test_the_map_in_architecture_md_is_the_codes():
     blocks = part.render(part.measure(None, False), {})
     with open(os.path.join(ROOT, "docs", "ARCHITECTURE.md"), encoding="utf-8") as f:
         text = f.read()
-    assert set(blocks) == {"layer_map", "layer_table", "docs_index"}
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert set(blocks) == {"layer_map", "layer_table", "docs_index", "readme_docs_index"}
     for name, body in blocks.items():
-        assert f"<!-- generated:{name} -->\n{body}\n<!-- /generated -->" in text, (
-            f"docs/ARCHITECTURE.md's {name} is stale: run python docs/regenerate.py --only layers")
+        doc, where = (("README.md", readme) if name == "readme_docs_index"
+                      else ("docs/ARCHITECTURE.md", text))
+        assert f"<!-- generated:{name} -->\n{body}\n<!-- /generated -->" in where, (
+            f"{doc}'s {name} is stale: run python docs/regenerate.py --only layers")
+    # the README shows the house too: the same picture and table
+    for name in ("layer_map", "layer_table"):
+        assert f"<!-- generated:{name} -->\n{blocks[name]}\n<!-- /generated -->" in readme, name
+    # and its index's links resolve from the repository's root
+    for line in blocks["readme_docs_index"].splitlines():
+        target = line.split("](", 1)[1].split(")", 1)[0]
+        assert os.path.exists(os.path.join(ROOT, target)), target
     for name, _ in LAYERS:                       # one line per layer in the picture
         assert sum(f" {name} " in line for line in blocks["layer_map"].splitlines()) == 1, name
