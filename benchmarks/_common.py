@@ -292,6 +292,17 @@ def print_machine(info):
 QUIET_LOAD = 0.3
 
 
+def add_load_flags(parser, strict_note=""):
+    """--allow-busy and --strict-quiet, as every benchmark that warns on a busy machine
+    reads them (check_quiet(args.allow_busy, prog, strict=args.strict_quiet))."""
+    parser.add_argument("--allow-busy", action="store_true",
+                        help=f"time without a warning when the 1-minute load average is above "
+                             f"{QUIET_LOAD} (a dry run: its tables are not for the docs)")
+    parser.add_argument("--strict-quiet", action="store_true",
+                        help=f"refuse to start (exit status 2) when the 1-minute load average "
+                             f"is above {QUIET_LOAD}: for tables meant for the docs" + strict_note)
+
+
 def check_quiet(allow_busy, prog, strict=True):
     """The 1-minute load average (None where the system has none), checked against
     QUIET_LOAD. Above it: with allow_busy, say that the tables are a dry run, not for

@@ -253,12 +253,7 @@ def main(argv=None):
                    help="microtensor's step by op at the first thread count (shares)")
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
-    p.add_argument("--allow-busy", action="store_true",
-                   help=f"time without a warning when the 1-minute load average is above "
-                        f"{C.QUIET_LOAD} (a dry run: its tables are not for the docs)")
-    p.add_argument("--strict-quiet", action="store_true",
-                   help=f"refuse to start (exit status 2) when the 1-minute load average is "
-                        f"above {C.QUIET_LOAD}: for tables meant for the docs")
+    C.add_load_flags(p)
     p.add_argument("--child", choices=["microtensor", "torch", "products", "profile"],
                    help=argparse.SUPPRESS)
     args = p.parse_args(argv)

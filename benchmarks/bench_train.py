@@ -981,14 +981,8 @@ def main(argv=None):
                    help="print the table and draw --plot from the sweeps recorded in these "
                    "--json files (their configs in order; the last record of a config wins)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
-    p.add_argument("--allow-busy", action="store_true",
-                   help=f"time without a warning when the 1-minute load average is above "
-                        f"{C.QUIET_LOAD} (a dry run: its tables are not for the docs)")
-    p.add_argument("--strict-quiet", action="store_true",
-                   help=f"refuse to start (exit status 2) when the 1-minute load average is "
-                        f"above {C.QUIET_LOAD}: for tables meant for the docs "
-                        "(benchmarks/run_16core.sh passes it). Without it, a busy machine "
-                        "gets a warning and tables marked DRY RUN")
+    C.add_load_flags(p, " (benchmarks/run_16core.sh passes it). Without it, a busy "
+                        "machine gets a warning and tables marked DRY RUN")
     p.add_argument("--isolate", action="store_true",
                    help="run each engine in its own child process (rounds alternate "
                    "processes) instead of both in this one")
