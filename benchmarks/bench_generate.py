@@ -24,8 +24,9 @@ import os
 import sys
 import time
 
+# NOTE: the benchmarks' folder only: microtensor and models come from where they are
+# installed (the repository's root first would hide an installed copy behind unbuilt sources)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402
 
 import numpy as np  # noqa: E402

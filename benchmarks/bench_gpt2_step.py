@@ -46,8 +46,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# NOTE: the benchmarks' folder only: microtensor and models come from where they are
+# installed (the repository's root first would hide an installed copy behind unbuilt sources)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 import _common as C  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -301,10 +301,16 @@ def test_a_missing_path_says_so(tmp_path):
         GPT.from_pretrained(str(tmp_path / "nowhere" / "x"))
 
 
+# the folder this process imported microtensor and models from (a build in place, or an
+# installed copy): a child gets it first on its path, and never runs from the repository's
+# root, where the unbuilt source folders would hide an installed copy
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mt.__file__)))
+
+
 def run_python(code, **env):
-    environment = {**os.environ, "PYTHONPATH": ROOT, **env}
+    environment = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, **env}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=environment, cwd=ROOT)
+                          timeout=120, env=environment)    # cwd: the tests' scratch folder
 
 
 def test_a_hub_name_without_the_hub_is_one_line_naming_the_command(tmp_path):
@@ -343,7 +349,7 @@ def run_example(script, *args):
     return subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [ROOT] + os.environ.get("PYTHONPATH", "").split(os.pathsep))})
+                              [PACKAGE_ROOT] + os.environ.get("PYTHONPATH", "").split(os.pathsep))})
 
 
 def test_init_from_fine_tunes_and_writes_a_folder_transformers_loads(tmp_path):
