@@ -196,22 +196,13 @@ cdef extern from *:
     int mt_team(int n) noexcept nogil
 
 
+from microtensor.runtime._variables import switch as _switch
+
+
 # MICROTENSOR_ADAPTIVE_THREADS=0 (or off, false, no): always run the configured count,
 # whatever the load; 1 (on, true, yes, auto, unset) follows it; another value warns
-_ADAPTIVE_VALUES = {"": 1, "1": 1, "on": 1, "true": 1, "yes": 1, "auto": 1,
-                    "0": 0, "off": 0, "false": 0, "no": 0}
-
-
 def _adaptive_setting(environ):
-    raw = environ.get("MICROTENSOR_ADAPTIVE_THREADS", "1")
-    value = _ADAPTIVE_VALUES.get(raw.strip().lower())
-    if value is None:
-        import warnings
-        warnings.warn(f"MICROTENSOR_ADAPTIVE_THREADS={raw!r} is not one of 1, on, true, yes "
-                      f"(follow the load) or 0, off, false, no (always the configured "
-                      f"count); following the load", RuntimeWarning, stacklevel=2)
-        value = 1
-    return value
+    return int(_switch(environ, "MICROTENSOR_ADAPTIVE_THREADS"))
 
 
 import os as _os
