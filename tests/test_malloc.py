@@ -56,9 +56,15 @@ def test_tuned_loop_reuses_memory_and_default_does_not():
     default = probe(MICROTENSOR_MALLOC="default")
     assert tuned["state"]["tuned"] is True
     assert default["state"] == {"tuned": False, "reason": "MICROTENSOR_MALLOC=default"}
-    # each call takes ~5 MB of fresh arrays: ~1,200 pages when nothing is reused
-    assert default["faults"] > 200, default
     assert tuned["faults"] < 20, tuned
+    # each call takes ~5 MB of fresh arrays: ~1,200 pages when nothing is reused. NOTE:
+    # glibc's own mmap threshold moves up as mapped blocks are freed, and in a fresh
+    # process it may already have risen past these arrays (seen once in a CI run: 0
+    # faults); then the defaults keep the memory too, and the comparison proves nothing
+    if default["faults"] <= 200:
+        pytest.skip(f"glibc's defaults kept this loop's memory by themselves this time "
+                    f"({default['faults']:.0f} page faults a call): no contrast to measure")
+    assert default["faults"] > 200, default
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt: Linux with glibc only")
