@@ -46,7 +46,7 @@ BROWSER_PAGES = 8                  # of those, the first ones also opened in Chr
 COUNT = [0, 0]         # programs explored, of which refused as a plain backward refuses
 
 
-from test_explore_graphs import Cube  # noqa: E402  (y = k x^3, a custom Function)
+from test_explore_graphs import Cube, walk  # noqa: E402  (y = k x^3; the graph walk)
 
 
 def _flat_index(L, F, x):
@@ -108,25 +108,6 @@ def build(program, draw=None, params=None):
         term = (v * w).sum()
         loss = term if loss is None else loss + term
     return model, values, loss, drawn
-
-
-def walk(loss):
-    """The graph behind `loss`, walked here: (op nodes, leaf tensors by id, edges)."""
-    nodes, leaves, edges, work = set(), {}, set(), [loss]
-    while work:
-        t = work.pop()
-        if t._node is None:
-            leaves[id(t)] = t
-            continue
-        if t._node in nodes:
-            continue
-        nodes.add(t._node)
-        for inp in t._node.inputs:
-            if inp is not None and inp._requires_grad:
-                edges.add((("n", id(inp._node)) if inp._node is not None else ("l", id(inp)),
-                           id(t._node)))
-                work.append(inp)
-    return nodes, leaves, edges
 
 
 def finite_summary(a):

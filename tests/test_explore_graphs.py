@@ -78,9 +78,9 @@ def _graphs():
 GRAPHS = sorted(_graphs())
 
 
-def _walk(loss):
-    """The engine's graph behind `loss`, walked here: (op nodes, leaf tensors)."""
-    nodes, leaves, work = set(), {}, [loss]
+def walk(loss):
+    """The graph behind `loss`, walked here: (op nodes, leaf tensors by id, edges)."""
+    nodes, leaves, edges, work = set(), {}, set(), [loss]
     while work:
         t = work.pop()
         if t._node is None:
@@ -89,8 +89,12 @@ def _walk(loss):
         if t._node in nodes:
             continue
         nodes.add(t._node)
-        work += [i for i in t._node.inputs if i is not None and i._requires_grad]
-    return nodes, leaves
+        for inp in t._node.inputs:
+            if inp is not None and inp._requires_grad:
+                edges.add((("n", id(inp._node)) if inp._node is not None else ("l", id(inp)),
+                           id(t._node)))
+                work.append(inp)
+    return nodes, leaves, edges
 
 
 @pytest.mark.parametrize("name", GRAPHS)
@@ -107,7 +111,7 @@ def test_explore_any_graph_against_the_engine(name):
     model.weight.grad, x.grad = None, None
 
     loss = fn(x, model.weight)
-    nodes, leaves = _walk(loss)
+    nodes, leaves, _ = walk(loss)
     ex = mti.explore(loss, model=model, names={"x": x})
     data = ex.data
     assert len(data["nodes"]) == data["meta"]["nodes"] == len(nodes) + len(leaves), name
