@@ -9,6 +9,7 @@ import traceback as _traceback
 from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock,
                                PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK,
                                NOWAIT_LOCK)
+from cpython.ref cimport Py_REFCNT
 
 
 cdef object _backward_profiler = None   # set by microtensor.profiler while profiling
@@ -166,8 +167,10 @@ cdef object _run_tensor_hooks(list hooks, object g, bint create_graph):
     return g
 
 
-cdef _accumulate_leaf(Tensor t, object g):
-    """t.grad += g (the first time: a private copy of g, since g may be shared).
+cdef _accumulate_leaf(Tensor t, object g, bint owned=False):
+    """t.grad += g. The first time, .grad becomes g itself when the engine `owned` it (a
+    buffer nothing else can reach: see _unshared), else a private copy of g, which may be
+    shared (the upstream gradient, an array a rule also handed another input, a hook's).
 
     A lock makes this safe when several threads run backward into one shared parameter
     (numpy releases the GIL inside the addition, so two unlocked adds can lose one)."""
@@ -179,15 +182,110 @@ cdef _accumulate_leaf(Tensor t, object g):
             t._grad = (<Tensor>g).clone() if t._grad is None else add(t._grad, g)
             return
         if t._grad is None:
-            t._grad = Tensor._wrap(np.array(g, dtype=t._data.dtype, order="C", copy=True))
+            if _is_piece(g):
+                g, owned = _dense(g), True
+            if owned and _fits_as_grad(g, t._data):
+                t._grad = Tensor._wrap(g)     # taken over: no copy of the whole gradient
+            else:
+                t._grad = Tensor._wrap(np.array(g, dtype=t._data.dtype, order="C", copy=True))
         else:
             gd = (<Tensor>t._grad)._data
             if gd.flags.writeable and gd.shape == t._data.shape:
-                np.add(gd, g, out=gd, casting="unsafe")
+                if _is_piece(g):
+                    _add_piece(gd, g)         # only the rows or slices it holds
+                else:
+                    np.add(gd, g, out=gd, casting="unsafe")
             else:
-                t._grad = Tensor._wrap(gd + g)
+                t._grad = Tensor._wrap(gd + _dense(g))
     finally:
         PyThread_release_lock(_accumulate_lock)
+
+
+cdef bint _fits_as_grad(object g, object data):
+    """Whether array g can be a leaf's .grad as it is: its dtype, shape, C order, writable."""
+    return (type(g) is np.ndarray and g.dtype == data.dtype and g.shape == data.shape
+            and g.flags.c_contiguous and g.flags.writeable)
+
+
+cdef bint _unshared(object a, Py_ssize_t held):
+    """Whether array `a`, which the caller holds `held` times, shares its memory with
+    nothing else: no other reference to it, and each array its memory comes from (its
+    .base chain) is held only by the view above it. (PyTorch's AccumulateGrad takes a
+    gradient over on the same test: a use count of one.)"""
+    if type(a) is not np.ndarray or Py_REFCNT(a) > held:
+        return False
+    cdef object base = a.base
+    while base is not None:
+        # the view above holds it once, `base` here once
+        if type(base) is not np.ndarray or Py_REFCNT(base) > 2:
+            return False
+        base = base.base
+    return True
+
+
+cdef inline bint _is_piece(object g):
+    """A gradient kept sparse: a slice's or a row gather's, or a pile of slices."""
+    return type(g) is _SlicePile or isinstance(g, SliceGrad)
+
+
+cdef object _dense(object g):
+    """A sparse gradient as one fresh buffer (an array or a tensor as it is)."""
+    if type(g) is _SlicePile:
+        return (<_SlicePile>g).dense()
+    if isinstance(g, SliceGrad):
+        return g.dense()
+    return g
+
+
+cdef _add_piece(object out, object piece):
+    """out += a sparse gradient, in place, touching only what the piece holds."""
+    if type(piece) is _SlicePile:
+        for sg in (<_SlicePile>piece).grads:
+            out[(<SliceGrad>sg).key] += (<SliceGrad>sg).value
+    elif type(piece) is RowsGrad:
+        piece.add_into(out)
+    else:
+        out[(<SliceGrad>piece).key] += (<SliceGrad>piece).value
+
+
+cdef _leaf_receive(_LeafGrad lg, object gi, bint gi_owned):
+    """lg.grad += gi, one edge's gradient into a leaf. Slices pile up (one buffer when the
+    leaf completes); a row gather's rows wait as they are; a dense gradient the engine
+    owns takes the sparse pieces in place; two dense ones add in place when one is owned.
+    lg.owned says whether the engine may hand lg.grad to .grad without a copy."""
+    prev = lg.grad
+    if prev is None:
+        if type(gi) is SliceGrad:
+            lg.grad, lg.owned = _SlicePile(gi), True
+        else:
+            lg.grad, lg.owned = gi, gi_owned or type(gi) is RowsGrad
+        return
+    if type(gi) is SliceGrad and type(prev) is _SlicePile:
+        (<_SlicePile>prev).add(<SliceGrad>gi)
+        return
+    if isinstance(prev, Tensor) or isinstance(gi, Tensor):    # create_graph
+        lg.grad, lg.owned = _gsum(_dense(prev), _dense(gi)), False
+        return
+    if _is_piece(prev) and _is_piece(gi):
+        prev, lg.owned = _dense(prev), True
+    if _is_piece(gi):                       # into the dense sum so far
+        if not lg.owned:
+            prev = np.array(prev, copy=True)
+        _add_piece(prev, gi)
+        lg.grad, lg.owned = prev, True
+    elif _is_piece(prev):                   # the sum so far into this dense gradient
+        if not gi_owned:
+            gi = np.array(gi, copy=True)
+        _add_piece(gi, prev)
+        lg.grad, lg.owned = gi, True
+    elif lg.owned and prev.ndim and prev.flags.writeable:
+        np.add(prev, gi, out=prev)
+    elif gi_owned and gi.ndim and gi.flags.writeable:
+        np.add(gi, prev, out=gi)
+        lg.grad = gi
+        lg.owned = True
+    else:
+        lg.grad, lg.owned = _gsum(prev, gi), True
 
 
 cdef object _gsum(object a, object b):
@@ -200,6 +298,8 @@ cdef object _gsum(object a, object b):
 cdef object _sum_into(dict pending, set owned, Node m, object gi):
     """pending[m] += gi, in place when the engine owns pending[m]'s buffer
     (a gradient handed over by a backward rule may be shared, so it is never written)."""
+    if type(gi) is RowsGrad:
+        gi = gi.dense()                      # a row gather of a node's output (not a leaf)
     prev = pending.get(m)
     if type(prev) is _SlicePile:
         if type(gi) is SliceGrad:
@@ -234,7 +334,7 @@ cdef _check_anomaly(Node node, tuple grads):
     for g in grads:
         if isinstance(g, Tensor):
             g = (<Tensor>g)._data
-        elif type(g) is SliceGrad:
+        elif isinstance(g, SliceGrad):
             g = (<SliceGrad>g).value
         if g is not None and g.dtype.kind == "f" and not np.isfinite(g).all():
             what = "NaN" if np.isnan(g).any() else "Inf"
@@ -250,6 +350,7 @@ cdef class _LeafGrad:
     cdef Tensor leaf
     cdef object grad
     cdef Py_ssize_t waiting
+    cdef bint owned          # grad is a buffer the engine alone holds (see _leaf_receive)
 
 
 cdef _finish_leaf(_LeafGrad lg, dict captured, bint accumulate, bint create_graph):
@@ -257,17 +358,20 @@ cdef _finish_leaf(_LeafGrad lg, dict captured, bint accumulate, bint create_grap
     post-accumulate hooks (DistributedDataParallel starts its all-reduce from there)."""
     cdef Tensor t = lg.leaf
     g = lg.grad
+    cdef bint owned = lg.owned
     lg.grad = None
     if g is None:
         return
-    if type(g) is _SlicePile:
-        g = (<_SlicePile>g).dense()
+    if t._hooks or captured is not None:
+        if _is_piece(g):
+            g, owned = _dense(g), True
     if t._hooks:
         g = _run_tensor_hooks(t._hooks, g, create_graph)
+        owned = False                  # a hook may have kept the array it was shown
     if captured is not None:
         captured[id(t)] = g
     elif accumulate:
-        _accumulate_leaf(t, g)
+        _accumulate_leaf(t, g, owned)
         if t._post_hooks:
             for hook in list(t._post_hooks):
                 hook(t)
@@ -294,7 +398,8 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
     cdef set owned = set()     # nodes whose pending buffer the engine allocated
     cdef dict captured = None  # id(tensor) -> gradient, for autograd.grad
     cdef set capture_nodes = None
-    cdef object g
+    cdef object g, raw, gi, inputs_
+    cdef Py_ssize_t i, n_in
 
     if create_graph:
         if _create_graph_rule is None:
@@ -318,10 +423,10 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
             lg = leaves.get(id(t))
             if lg is None:
                 lg = _LeafGrad.__new__(_LeafGrad)
-                lg.leaf, lg.grad, lg.waiting = t, g, 0
+                lg.leaf, lg.grad, lg.waiting, lg.owned = t, g, 0, False
                 leaves[id(t)] = lg
             else:
-                lg.grad = _gsum(lg.grad, g)
+                lg.grad, lg.owned = _gsum(lg.grad, g), True
             continue
         node = t._node
         if node in pending:
@@ -345,7 +450,7 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                 lg = leaves.get(id(t))
                 if lg is None:
                     lg = _LeafGrad.__new__(_LeafGrad)
-                    lg.leaf, lg.grad, lg.waiting = t, None, 0
+                    lg.leaf, lg.grad, lg.waiting, lg.owned = t, None, 0, False
                     leaves[id(t)] = lg
                 lg.waiting += 1
                 continue
@@ -416,32 +521,35 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                 grads = node.backward(g)
             else:
                 grads = _backward_profiler(node, g)
+            if type(grads) is not tuple:
+                grads = tuple(grads)
             if mt_anomaly():
                 _check_anomaly(node, grads)
             if not retain_graph:
                 node.release()
                 node.freed = True
                 node._saved_versions = None
-            for inp, gi in zip(node.inputs, grads):
+            inputs_ = node.inputs
+            n_in = len(inputs_)
+            if len(grads) < n_in:
+                n_in = len(grads)
+            for i in range(n_in):
+                inp = inputs_[i]
                 if inp is None:
                     continue
                 t = <Tensor>inp
                 if not t._requires_grad:
                     continue
+                raw = grads[i]
                 if t._node is None:
                     lg = <_LeafGrad>leaves[id(t)]
-                    if gi is not None:
-                        gi = _as_grad_array(gi, t)
-                        if type(gi) is SliceGrad and lg.grad is None:
-                            lg.grad = _SlicePile(gi)     # made into one buffer when complete
-                        elif type(gi) is SliceGrad and type(lg.grad) is _SlicePile:
-                            (<_SlicePile>lg.grad).add(<SliceGrad>gi)
-                        else:
-                            if type(gi) is SliceGrad:
-                                gi = (<SliceGrad>gi).dense()
-                            if type(lg.grad) is _SlicePile:
-                                lg.grad = (<_SlicePile>lg.grad).dense()
-                            lg.grad = gi if lg.grad is None else _gsum(lg.grad, gi)
+                    if raw is not None:
+                        gi = _as_grad_array(raw, t)
+                        # held here by `grads`, `raw` and `gi` when the rule's own array
+                        # came through; by `gi` alone when _as_grad_array made a new one
+                        _leaf_receive(lg, gi, _unshared(gi, 3 if gi is raw else 1))
+                        gi = None
+                    raw = None
                     lg.waiting -= 1
                     if lg.waiting == 0:
                         _finish_leaf(lg, captured, accumulate, create_graph)
@@ -449,8 +557,8 @@ def run_backward(list outputs, list grad_outputs, bint retain_graph,
                 m = t._node
                 if needed is not None and m not in needed:
                     continue
-                if gi is not None:
-                    _sum_into(pending, owned, m, _as_grad_array(gi, t))
+                if raw is not None:
+                    _sum_into(pending, owned, m, _as_grad_array(raw, t))
                 deps[m] -= 1
                 if deps[m] == 0:
                     ready.append(m)

@@ -23,6 +23,34 @@ cdef class SliceGrad:
         return out
 
 
+cdef class RowsGrad(SliceGrad):
+    """A gradient that is zero except on the rows `key` (a 1-D index array) of a 2-D
+    input, where it is the rows of `value`, a repeated index adding up (the backward of
+    a row gather: an embedding's 256 rows of a 50,257-row table).
+
+    The engine adds it straight into the input's gradient buffer: a tied embedding
+    (GPT-2's wte, also its lm_head) gets its 256 rows added into the lm_head's gradient,
+    not a zero-filled 154 MB array and a 154 MB addition. `adder(out, value, key)`, when
+    given, is a kernel doing out[key] += value (repeats adding); else np.add.at."""
+    cdef public object adder
+
+    def __init__(self, key, value, shape, dtype, adder=None):
+        SliceGrad.__init__(self, key, value, shape, dtype)
+        self.adder = adder
+
+    def add_into(self, out):
+        """out[key] += value, a repeated index adding up."""
+        if self.adder is not None:
+            self.adder(out, self.value, self.key)
+        else:
+            np.add.at(out, self.key, self.value)
+
+    def dense(self):
+        out = np.zeros(self.shape, dtype=self.dtype)
+        self.add_into(out)
+        return out
+
+
 cdef tuple _slice_box(object key, tuple shape):
     """The box (start, stop) per dim that a key of plain slices (step 1) selects, or None
     for any other key."""

@@ -174,14 +174,15 @@ class EmbeddingBackward(FusedNode):
     """y = W[idx];  dW[idx[i]] += g[i]   (repeated ids accumulate; kernel: embedding_backward)"""
 
     def backward(self, g):
+        # only the rows the ids name: the engine adds them into the weight's gradient
+        # (a (V, D) zero fill and a (V, D) addition where the table is tied to a linear)
         V, D = self.weight_shape
-        dweight = np.zeros((V, D), dtype=self.dtype)
-        g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(self.ids.shape[0], D)
-        if g2.size:
-            _kernels.fused.embedding_backward(dweight, g2, self.ids, _threads(g2.size, memory_bound=True))
+        ids = self.ids
+        g2 = np.ascontiguousarray(g, dtype=self.dtype).reshape(ids.shape[0], D)
         if self.padding_idx is not None:
-            dweight[self.padding_idx] = 0
-        return (None, dweight)
+            keep = ids != self.padding_idx
+            ids, g2 = np.ascontiguousarray(ids[keep]), np.ascontiguousarray(g2[keep])
+        return (None, _core.RowsGrad(ids, g2, (V, D), self.dtype, _add_rows))
 
     def composite(self, ids, w):
         """y = W[idx], with no gradient into row padding_idx"""
@@ -193,6 +194,16 @@ class EmbeddingBackward(FusedNode):
 
 
 declare_saved(EmbeddingBackward)           # its indices are a private copy
+
+
+def _add_rows(out, rows, ids):
+    """out[ids[i]] += rows[i], repeated ids adding up (the kernel checks every id)."""
+    if not rows.size:
+        return
+    if out.dtype == rows.dtype and out.flags.c_contiguous and out.flags.writeable:
+        _kernels.fused.embedding_backward(out, rows, ids, _threads(rows.size, memory_bound=True))
+    else:                                   # a .grad the user set in another layout
+        np.add.at(out, ids, rows)
 
 
 def embedding(input, weight, padding_idx=None):
