@@ -242,7 +242,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     p.add_argument("--steps", type=int, default=5, help="timed steps per engine")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps per engine first (each engine's; five, since the "
+                        "optimizer's state and the freed memory kept for reuse settle over "
+                        "the first steps: microtensor's page faults fall from about 50,000 "
+                        "a step to a few hundred by the fifth)")
     p.add_argument("--repeats", type=int, default=5, help="timings of each product")
     p.add_argument("--llmc", default=None, metavar="DIR",
                    help="a folder with llm.c's train_gpt2.c, llmc/ and Makefile")
