@@ -120,26 +120,27 @@ def test_padding_rows_get_no_gradient_on_either_path():
 
 # ---- taking the first gradient over, only when nothing else holds it ---------------
 
-class _Fresh(mt.autograd.Function):
-    """Returns a new array as x's gradient and remembers it weakly."""
-    made = None
+def _doubling(keep):
+    """A Function y = 2 x whose backward hands `keep` the array it returns."""
+    class Double(mt.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2.0
 
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        out = g * 2
-        _Fresh.made = weakref.ref(out.numpy())
-        return out
+        @staticmethod
+        def backward(ctx, g):
+            out = g * 2.0
+            keep(out.numpy())
+            return out
+    return Double
 
 
 def test_a_fresh_gradient_becomes_grad_without_a_copy():
+    made = []                                  # weakly: holding it would forbid the take-over
     x = mt.randn(1000, requires_grad=True)
-    _Fresh.apply(x).sum().backward()
-    made = _Fresh.made()
-    assert made is not None and np.shares_memory(made, x.grad.numpy())
+    _doubling(lambda a: made.append(weakref.ref(a))).apply(x).sum().backward()
+    array = made[0]()
+    assert array is not None and np.shares_memory(array, x.grad.numpy())
 
 
 def _write_grad_and_check(grad, other, what):
@@ -151,20 +152,8 @@ def _write_grad_and_check(grad, other, what):
 
 def test_an_array_a_function_keeps_is_copied():
     kept = []
-
-    class Keep(mt.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            out = g * 2
-            kept.append(out.numpy())
-            return out
-
     x = mt.randn(5, requires_grad=True)
-    Keep.apply(x).sum().backward()
+    _doubling(kept.append).apply(x).sum().backward()
     _write_grad_and_check(x.grad, kept[0], "an array the Function kept")
 
 
@@ -244,26 +233,14 @@ def test_pieces_never_land_in_an_array_someone_else_holds(order):
     W = mt.tensor(RNG.standard_normal((V, D)), requires_grad=True)
     X = mt.tensor(RNG.standard_normal((V, D)), requires_grad=True)
     kept = []
-
-    class Keep(mt.autograd.Function):
-        @staticmethod
-        def forward(ctx, w):
-            return w * 1.0
-
-        @staticmethod
-        def backward(ctx, g):
-            out = g * 1.0
-            kept.append(out.numpy())
-            return out
-
     terms = {"shared": lambda: ((W + X) * mt.tensor(c)).sum(),
-             "kept": lambda: (Keep.apply(W) * mt.tensor(c)).sum(),
+             "kept": lambda: (_doubling(kept.append).apply(W) * mt.tensor(c)).sum(),
              "slice": lambda: W[2:5].sum(),
              "rows": lambda: F.embedding(mt.tensor(ids), W).sum()}
     sum((terms[name]() for name in order), mt.tensor(0.0)).backward()
     np.testing.assert_allclose(X.grad.numpy(), c, rtol=1e-12)
-    np.testing.assert_allclose(kept[0], c, rtol=1e-12)
-    want = 2 * c
+    np.testing.assert_allclose(kept[0], 2 * c, rtol=1e-12)
+    want = 3 * c
     want[2:5] += 1
     np.add.at(want, ids, 1.0)
     np.testing.assert_allclose(W.grad.numpy(), want, rtol=1e-12)
