@@ -22,7 +22,7 @@ NAMES = {
         linspace logspace eye manual_seed seed initial_seed Generator default_generator
         get_rng_state set_rng_state
         cat concat stack hstack vstack column_stack split chunk tensor_split unbind reshape
-        flatten squeeze unsqueeze permute transpose swapaxes movedim t narrow select
+        flatten unflatten squeeze unsqueeze permute transpose swapaxes movedim t narrow select
         index_select masked_select gather scatter scatter_add index_add take take_along_dim
         where nonzero argwhere tril triu tril_indices triu_indices diag diagonal diag_embed
         trace flip fliplr roll rot90 repeat_interleave tile broadcast_tensors broadcast_to
@@ -59,7 +59,7 @@ NAMES = {
         shape dtype device ndim dim size numel nelement element_size item tolist numpy to
         cpu cuda float double long int bool half type type_as view view_as reshape
         reshape_as contiguous is_contiguous transpose permute t T mT unsqueeze squeeze
-        flatten expand expand_as repeat repeat_interleave tile split chunk unbind narrow
+        flatten unflatten expand expand_as repeat repeat_interleave tile split chunk unbind narrow
         select gather scatter scatter_ scatter_add scatter_add_ index_select index_add_
         index_fill_ masked_fill masked_fill_ masked_select masked_scatter_ clone detach
         detach_ requires_grad requires_grad_ backward grad grad_fn is_leaf retain_grad

@@ -93,6 +93,19 @@ def _reshape(shapes):
     return st.fixed_dictionaries({"shape": st.sampled_from(options)})
 
 
+def _unflatten(shapes):
+    shape = shapes[0]
+    nd = len(shape)
+
+    def sizes(dim):
+        n = shape[dim] if -nd <= dim < nd else 1
+        options = [(n,), (1, n), (n, 1), (-1,), (1, -1), (-1, 1), (n + 1,)]  # the last: both raise
+        if n and n % 2 == 0:
+            options.append((2, -1))
+        return st.sampled_from(options)
+    return _dim(nd).flatmap(lambda d: st.fixed_dictionaries({"dim": st.just(d), "sizes": sizes(d)}))
+
+
 def _expand(shapes):
     shape = shapes[0]
     grow = tuple(3 if s == 1 else s for s in shape)
@@ -194,6 +207,7 @@ OPS = {
     "squeeze_dim": (1, lambda L, F, x, dim: x.squeeze(dim), _one_dim),
     "squeeze": (1, lambda L, F, x: x.squeeze(), _none),
     "flatten": (1, lambda L, F, x, start, end: x.flatten(start, end), _flatten),
+    "unflatten": (1, lambda L, F, x, dim, sizes: x.unflatten(dim, sizes), _unflatten),
     "expand": (1, lambda L, F, x, shape: x.expand(tuple(shape)), _expand),
     "contiguous": (1, lambda L, F, x: x.contiguous(), _none),
     "slice": (1, lambda L, F, x, dim, start, step: _slice_view(x, dim, start, step), _slice),

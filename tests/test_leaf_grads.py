@@ -48,6 +48,8 @@ def _pieces():
                         up_lin.T @ h),
         # a dense gradient that is the upstream gradient itself (add's rule hands on g)
         "dense_shared": (lambda W: ((W + mt.tensor(c)) * mt.tensor(c)).sum(), c),
+        # a fresh gradient that is read-only: mean's, a broadcast of one number
+        "dense_readonly": (lambda W: W.mean() * 3.0, np.full((V, D), 3.0 / (V * D))),
     }
 
 

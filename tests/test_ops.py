@@ -82,6 +82,8 @@ OPS = {
     "squeeze": (lambda x: x.squeeze(1), lambda x: x.squeeze(1), [(normal, (2, 1, 3))]),
     "squeeze_all": (lambda x: x.squeeze(), np.squeeze, [(normal, (1, 3, 1))]),
     "flatten": (lambda x: x.flatten(1), lambda x: x.reshape(2, -1), [(normal, (2, 3, 4))]),
+    "unflatten": (lambda x: x.transpose(0, 1).unflatten(0, (2, -1)),
+                  lambda x: x.swapaxes(0, 1).reshape(2, 2, 3), [(normal, (3, 4))]),
     "expand": (lambda x: x.expand(2, 3, 4), lambda x: np.broadcast_to(x, (2, 3, 4)), [(normal, (3, 1))]),
     "contiguous": (lambda x: x.T.contiguous(), lambda x: np.ascontiguousarray(x.T), [(normal, (2, 3))]),
     "split": (lambda x: x.split([1, 3], dim=1)[1], lambda x: x[:, 1:], [(normal, (2, 4))]),

@@ -62,6 +62,8 @@ CALLS = {
                 lambda L, x: L.reshape(x.t(), (12,))],        # a copy of a transposed one
     "view": lambda L, x: x.view(2, 6),
     "flatten": [lambda L, x: L.flatten(x), lambda L, x: L.flatten(x.t())],
+    "unflatten": [lambda L, x: L.unflatten(x, 1, (2, 2)), lambda L, x: x.t().unflatten(0, (2, -1)),
+                  lambda L, x: L.unflatten(x[:, 1:3], -1, (1, 2))],
     "unsqueeze": [lambda L, x: L.unsqueeze(x, 1), lambda L, x: L.unsqueeze(x.t(), 2),
                   lambda L, x: L.unsqueeze(x[:, 1:3], 0)],
     "squeeze": [lambda L, x: L.squeeze(x[:1]), lambda L, x: L.squeeze(x.t()[:, :1], 1)],

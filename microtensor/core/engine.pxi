@@ -208,11 +208,15 @@ cdef bint _fits_as_grad(object g, object data):
 
 
 cdef bint _unshared(object a, Py_ssize_t held):
-    """Whether array `a`, which the caller holds `held` times, shares its memory with
-    nothing else: no other reference to it, and each array its memory comes from (its
-    .base chain) is held only by the view above it. (PyTorch's AccumulateGrad takes a
-    gradient over on the same test: a use count of one.)"""
+    """Whether array `a`, which the caller holds `held` times, is a buffer the engine may
+    keep and write: writable, contiguous (no element seen twice: a broadcast is neither),
+    and sharing its memory with nothing else: no other reference to it, and each array its
+    memory comes from (its .base chain) held only by the view above it. (PyTorch's
+    AccumulateGrad takes a gradient over on the same test: a use count of one.)"""
     if type(a) is not np.ndarray or Py_REFCNT(a) > held:
+        return False
+    flags = (<cnp.ndarray>a).flags
+    if not (flags.writeable and (flags.c_contiguous or flags.f_contiguous)):
         return False
     cdef object base = a.base
     while base is not None:

@@ -187,9 +187,7 @@ class Unflatten(Module):
         self.dim, self.unflattened_size = dim, tuple(unflattened_size)
 
     def forward(self, input):
-        d = self.dim % input.ndim if input.ndim else 0
-        shape = tuple(input.shape)
-        return _core.reshape(input, *shape[:d], *self.unflattened_size, *shape[d + 1:])
+        return _core.unflatten(input, self.dim, self.unflattened_size)
 
     def extra_repr(self):
         return f"dim={self.dim}, unflattened_size={self.unflattened_size}"

@@ -109,6 +109,77 @@ def flatten(x, start_dim=0, end_dim=-1):
     return reshape(t, shp[:s] + (merged,) + shp[e + 1:])
 
 
+def unflatten(x, dim, sizes):
+    """x's dim split into `sizes` (one entry may be -1), a view: torch.unflatten."""
+    cdef Tensor t = _t(x)
+    shp = t._data.shape
+    if not isinstance(sizes, (tuple, list)) or \
+            not _builtins.all(isinstance(k, (int, np.integer)) and not isinstance(k, bool)
+                              for k in sizes):
+        raise TypeError(f"unflatten: sizes must be a tuple of ints, got {sizes!r}")
+    if len(sizes) == 0:
+        raise ArgumentError("unflatten: sizes must be non-empty")
+    if len(shp) == 0:
+        _norm_dim(dim, 1)                    # out of [-1, 0]: torch's IndexError
+        raise ArgumentError(f"unflatten: dimension specified as {dim} but tensor has no "
+                            f"dimensions")
+    d = _norm_dim(dim, len(shp))
+    sizes = tuple(int(k) for k in sizes)
+    if sizes.count(-1) > 1:
+        raise ArgumentError(f"unflatten: only one dimension can be inferred, got sizes {list(sizes)}")
+    if _builtins.any(k < -1 for k in sizes):
+        raise ArgumentError(f"unflatten: invalid size in {list(sizes)}")
+    known = 1
+    for k in sizes:
+        if k != -1:
+            known *= k
+    if -1 in sizes:
+        if known == 0 or shp[d] % known:
+            raise ArgumentError(f"unflatten: sizes {list(sizes)} cannot make dim {d} of size "
+                                f"{shp[d]} in the input tensor")
+        sizes = tuple(shp[d] // known if k == -1 else k for k in sizes)
+    elif known != shp[d]:
+        raise ArgumentError(f"unflatten: provided sizes {list(sizes)} don't multiply up to the "
+                            f"size of dim {d} ({shp[d]}) in the input tensor")
+    target = shp[:d] + sizes + shp[d + 1:]
+    cdef Tensor res = view(t, target)
+    strides = _view_strides(t._data, target)
+    numpys = res._data.strides
+    if t._data.size and _builtins.any(k > 1 and a != b for k, a, b in zip(target, strides, numpys)):
+        strides = numpys                     # (never: only size-1 dims may differ)
+    res._data = _restride(res._data, strides)
+    return res
+
+
+cdef tuple _view_strides(object a, tuple shape):
+    """The byte strides torch gives a view of `a` as `shape` (its computeStride): numpy's
+    on every dim that moves, and torch's choice on the size-1 dims, which go with the
+    chunk of contiguous dims they border from the back. An empty result takes the
+    contiguous strides of its shape, each size counted as at least 1."""
+    cdef Py_ssize_t n = len(shape), view_d = n - 1, tensor_d
+    out = [0] * n
+    if a.size == 0 or a.ndim == 0:
+        step = a.itemsize
+        for view_d in range(n - 1, -1, -1):
+            out[view_d] = step
+            step *= shape[view_d] if shape[view_d] > 1 else 1
+        return tuple(out)
+    old, old_strides = a.shape, a.strides
+    base = old_strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(a.ndim - 1, -1, -1):
+        tensor_numel *= old[tensor_d]
+        if tensor_d == 0 or (old[tensor_d - 1] != 1 and
+                             old_strides[tensor_d - 1] != tensor_numel * base):
+            while view_d >= 0 and (view_numel < tensor_numel or shape[view_d] == 1):
+                out[view_d] = view_numel * base
+                view_numel *= shape[view_d]
+                view_d -= 1
+            if tensor_d > 0:
+                base, tensor_numel, view_numel = old_strides[tensor_d - 1], 1, 1
+    return tuple(out)
+
+
 def unsqueeze(x, dim):
     cdef Tensor t = _t(x)
     cdef int d = _norm_dim(dim, t._data.ndim + 1)
@@ -473,6 +544,7 @@ declare_saved(DiagonalBackward)
 register_op("reshape", reshape, kind="shape", aliasing="view_or_copy")
 register_op("view", view, kind="shape", aliasing="view")
 register_op("flatten", flatten, kind="shape", aliasing="view_or_copy")
+register_op("unflatten", unflatten, kind="shape", aliasing="view")
 register_op("unsqueeze", unsqueeze, kind="shape", aliasing="view")
 register_op("squeeze", squeeze, kind="shape", aliasing="view")
 register_op("permute", permute, kind="shape", aliasing="view")
