@@ -79,6 +79,28 @@ def test_summary_is_exact_in_blocks_and_samples_only_the_histogram(name, a):
     assert "values" not in got            # only tensors of at most SMALL numbers
 
 
+@pytest.mark.parametrize("values", [
+    np.array([3e38], np.float32),                          # lo - 0.5 == lo: no width at all
+    np.full(5, -1.7e308),
+    np.array([1e16, 1e16 + 2.0, 1e16 + 4.0]),               # a range of two ulps
+    np.array([1e30, np.nextafter(np.float32(1e30), np.float32(np.inf))], np.float32),
+    np.array([-1.7e308, 0.0, 1.7e308]),                     # hi - lo overflows
+    np.array([5e-324, 1e-323]),                             # subnormal
+], ids=["huge_single", "huge_equal", "two_ulps", "float32_ulp", "whole_range", "subnormal"])
+def test_summary_histogram_of_extreme_ranges(values):
+    """Every finite entry lands in a bin, lo's in the first and hi's in the last (all in
+    the middle one when they are equal), whatever the range's width: numpy's histogram
+    refuses a range of a few ulps and cannot span hi - lo beyond float64's maximum."""
+    with np.errstate(over="ignore"):
+        hist = summary.summarise(values)["hist"]
+    assert sum(hist) == values.size and len(hist) == 24
+    lo, hi = values.min(), values.max()
+    if lo == hi:
+        assert hist[12] == values.size
+    else:
+        assert hist[0] == (values == lo).sum() and hist[-1] == (values == hi).sum()
+
+
 def test_summary_norms_of_large_and_sliced_gradients():
     rng = np.random.default_rng(1)
     a = rng.standard_normal(summary.LARGE + 3).astype(np.float32)

@@ -144,7 +144,7 @@ SMOOTH = set("""
     nan_to_num neg new_tensor outer permute reciprocal repeat repeat_interleave reshape
     reshape_as roll rot90 scatter scatter_add select sigmoid sin sinh softmax split square
     squeeze stack sub sum swapaxes swapdims t take take_along_dim tan tanh tensor_split tile
-    trace transpose tril triu type_as unbind unsqueeze var vdot view view_as ger
+    trace transpose tril triu type_as unbind unflatten unsqueeze var vdot view view_as ger
     atleast_1d atleast_2d broadcast_tensors column_stack hstack vstack meshgrid einsum
     tensordot var_mean
 """.split()) | {

@@ -94,8 +94,7 @@ def summarise(array, bins=24):
     sample = flat[::every]
     if out["nonfinite"]:
         sample = sample[np.isfinite(sample)]
-    counts, _ = np.histogram(sample, bins=bins,
-                             range=(lo, hi) if hi > lo else (lo - 0.5, lo + 0.5))
+    counts = _histogram(sample, lo, hi, bins)
     # sum(x^2) = m2 + count * mean^2: two terms that are never negative, so nothing cancels
     out.update(mean=mean, std=math.sqrt(m2 / count), min=lo, max=hi,
                norm=math.sqrt(m2 + count * mean * mean), hist=[int(c) for c in counts])
@@ -104,6 +103,26 @@ def summarise(array, bins=24):
     if flat.size <= SMALL:
         out["values"] = [_finite(v) for v in flat.astype(np.float64)]
     return out
+
+
+def _histogram(sample, lo, hi, bins):
+    """Counts of `sample` in `bins` equal bins over [lo, hi] (all in the middle bin when
+    lo == hi). numpy's, unless the range is too narrow for finite-sized float64 bins (a
+    few ulps of a large number) or too wide for hi - lo (from -1e308 to 1e308): then on
+    the values mapped to [0, 1], halved first so that nothing overflows."""
+    width = hi - lo
+    if hi > lo and math.isfinite(width):
+        try:
+            return np.histogram(sample, bins=bins, range=(lo, hi))[0]
+        except ValueError:                       # "too many bins for data range"
+            pass
+    counts = np.zeros(bins, dtype=np.int64)
+    if not hi > lo:
+        counts[bins // 2] = sample.size
+        return counts
+    unit = (sample.astype(np.float64) / 2 - lo / 2) / (hi / 2 - lo / 2)
+    which = np.clip((unit * bins).astype(np.int64), 0, bins - 1)
+    return np.bincount(which, minlength=bins)
 
 
 def dense_norm(g):
