@@ -246,3 +246,32 @@ def test_pieces_never_land_in_an_array_someone_else_holds(order):
     want[2:5] += 1
     np.add.at(want, ids, 1.0)
     np.testing.assert_allclose(W.grad.numpy(), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("rows_dtype", [np.float64, np.float32])
+def test_a_rule_s_rows_are_cast_to_the_leaf_and_checked_for_shape(rows_dtype):
+    """A rule of one's own may hand on rows of another dtype (cast to the leaf's, as any
+    gradient) or for another shape (an error that names both shapes)."""
+    from microtensor.autograd.graph_rules import FusedNode
+    core = mt.core._core
+
+    class Rows(FusedNode):
+        def backward(self, g):
+            return (core.RowsGrad(np.array([1, 1, 3]), np.ones((3, 2), rows_dtype),
+                                  self.shape, rows_dtype),)
+
+    W = mt.randn(5, 2, requires_grad=True)                  # float32
+    for shape, ok in (((5, 2), True), ((4, 2), False)):
+        W.grad = None
+        y, node = core.wrap(np.zeros(1, np.float32)), Rows()
+        node.shape = shape
+        core.attach(y, node, (W,))
+        if not ok:
+            with pytest.raises(RuntimeError, match=r"\(4, 2\).*\(5, 2\)"):
+                y.backward(core.wrap(np.ones(1, np.float32)))
+            continue
+        y.backward(core.wrap(np.ones(1, np.float32)))
+        want = np.zeros((5, 2), np.float32)
+        want[1], want[3] = 2, 1
+        assert W.grad.dtype == mt.float32
+        np.testing.assert_array_equal(W.grad.numpy(), want)

@@ -56,10 +56,12 @@ cdef object _as_grad_array(object g, Tensor t):
     summed down to the input's shape where the rule returned it broadcast, and cast to
     the input's dtype. Only a shape tuple comparison when nothing is to be done."""
     cdef tuple shape = t._data.shape
-    if type(g) is SliceGrad:
+    if isinstance(g, SliceGrad):           # a slice's, or a row gather's (RowsGrad)
         if (<SliceGrad>g).shape != shape:
             raise RuntimeError(f"internal error: slice gradient for shape {(<SliceGrad>g).shape} "
                                f"reached an input of shape {shape}")
+        if type(g) is RowsGrad and (<SliceGrad>g).dtype != t._data.dtype:
+            return g.dense().astype(t._data.dtype)
         return g
     if isinstance(g, Tensor):            # create_graph: gradients are tensors
         if (<Tensor>g)._data.shape != shape:
