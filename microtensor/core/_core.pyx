@@ -15,6 +15,7 @@ so that ops reach tensors' fields at C speed:
   core/slice_grads.pxi      the gradients of slices, built into one buffer per tensor
   core/broadcast.pxi        a gradient summed down to its input's shape: broadcasting undone once
   core/engine.pxi           Node, the backward traversal (iterative, topological)
+  core/leaf_grads.pxi       a leaf's gradients summed as they arrive, then .grad (taken over, not copied, when unshared)
   core/numpy_dtypes.pxi     the numpy dtypes of the core, devices, torch-style dtype names
   core/capture_hook.pxi     the one door mt.compile watches: value reads, writes, new tensors
   core/tensor.pxi           Tensor, Parameter
@@ -44,6 +45,7 @@ include "versions.pxi"
 include "slice_grads.pxi"
 include "broadcast.pxi"
 include "engine.pxi"
+include "leaf_grads.pxi"
 include "numpy_dtypes.pxi"
 include "capture_hook.pxi"
 include "tensor.pxi"
